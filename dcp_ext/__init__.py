@@ -1,0 +1,51 @@
+"""dcp_ext: production-grade storage for PyTorch Distributed Checkpoint (DCP).
+
+``CheckpointWriter`` and ``CheckpointReader`` plug into ``dcp.save``,
+``dcp.load`` and ``dcp.async_save`` and stream checkpoints to local disk,
+shared POSIX file systems and S3 (or any fsspec URL) in parallel, with
+bounded memory, ranged reads and an explicit commit protocol.
+"""
+
+from __future__ import annotations
+
+from .api import load, save
+from .config import IOConfig, RetryPolicy
+from .errors import (
+    BucketNotFoundError,
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+    CredentialsError,
+    DcpExtError,
+    NotACheckpointError,
+    StorageError,
+    StoragePermissionError,
+    TransientStorageError,
+    unwrap_checkpoint_exception,
+)
+from .reader import CheckpointReader
+from .writer import CheckpointWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointWriter",
+    "CheckpointReader",
+    "save",
+    "load",
+    "IOConfig",
+    "RetryPolicy",
+    "DcpExtError",
+    "CheckpointNotFoundError",
+    "BucketNotFoundError",
+    "NotACheckpointError",
+    "CheckpointIncompleteError",
+    "CheckpointExistsError",
+    "CheckpointCorruptError",
+    "StoragePermissionError",
+    "CredentialsError",
+    "StorageError",
+    "TransientStorageError",
+    "unwrap_checkpoint_exception",
+]

@@ -1,0 +1,448 @@
+"""Checkpoint metadata on storage: dcp_ext's JSON document and torch's pickle.
+
+dcp_ext's own metadata is ``dcp_ext.metadata.json``, a plain JSON document, so
+loading a checkpoint never unpickles anything. It is written last and is the
+commit marker of a checkpoint. Layout (version 1)::
+
+    {
+      "format": "dcp_ext", "version": 1, "dcp_version": "1.0.0",
+      "torch_version": "2.13.0", "byteorder": "little", "created": 1763766000.0,
+      "storage_meta": {"checkpoint_id": "...", "save_id": "...", "modules": []},
+      "planner_data": <tagged JSON, see _encode_value>,
+      "state_dict": {
+        "model.weight": {"kind": "tensor", "dtype": "bfloat16", "size": [4, 8],
+                         "requires_grad": false,
+                         "chunks": [{"offsets": [0, 0], "sizes": [2, 8]}, ...]},
+        "step": {"kind": "bytes"}
+      },
+      "items": [
+        {"fqn": "model.weight", "offset": [0, 0], "file": "__0_0.distcp",
+         "at": 0, "length": 1800, "data_at": 704, "data_length": 32},
+        ...
+      ],
+      "files": {"__0_0.distcp": 123456, ...}
+    }
+
+``items`` says where each stored chunk lives: ``length`` bytes at ``at`` of
+``file``; for tensors the raw row-major little-endian bytes are the
+``data_length`` bytes starting ``data_at`` bytes into the item (the rest is
+the ``torch.save`` envelope that keeps torch's readers working). ``files``
+gives each data file's size, so truncation is detected before any read.
+
+For interoperability the writer also stores torch's pickled ``.metadata``
+(written just before the JSON). Reading a checkpoint that has only the pickle
+(written by torch's own writers) goes through :func:`load_torch_metadata`, a
+restricted unpickler that admits DCP's metadata classes and nothing else.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import pickle
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ._torch_format import dtype_from_name, dtype_name
+from .errors import CheckpointCorruptError
+
+__all__ = [
+    "METADATA_FILE",
+    "TORCH_METADATA_FILE",
+    "FORMAT_VERSION",
+    "StoredItem",
+    "encode_metadata",
+    "decode_metadata",
+    "to_torch_metadata",
+    "load_torch_metadata",
+    "validate_file_name",
+]
+
+METADATA_FILE = "dcp_ext.metadata.json"
+TORCH_METADATA_FILE = ".metadata"
+FORMAT = "dcp_ext"
+FORMAT_VERSION = 1
+DCP_VERSION = "1.0.0"
+
+# Relative names only: no absolute paths, no "..", no empty parts, no NUL.
+_NAME_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._\-]{0,254}$")
+
+
+def validate_file_name(name: object, where: str) -> str:
+    """Check that a data-file name from metadata stays inside the checkpoint.
+
+    Raises:
+        CheckpointCorruptError: ``name`` is absolute, has ``..`` or odd characters.
+    """
+    if not isinstance(name, str) or not name or len(name) > 1024:
+        raise CheckpointCorruptError(f"{where}: invalid data file name {name!r}", where)
+    for part in name.split("/"):
+        if not _NAME_PART.match(part) or part in (".", ".."):
+            raise CheckpointCorruptError(
+                f"{where}: data file name {name!r} is not a plain relative name; "
+                f"refusing to read outside the checkpoint",
+                where,
+            )
+    return name
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """Where one stored chunk (a tensor shard or a bytes object) lives.
+
+    This is the ``storage_data`` of dcp_ext's ``WriteResult`` and of the
+    metadata its reader returns.
+
+    Attributes:
+        relative_path: Data file name, relative to the checkpoint.
+        offset: Byte offset of the item in the file.
+        length: Bytes of the whole item (envelope included).
+        data_offset: Where the raw data starts, relative to ``offset``.
+        data_length: Bytes of raw data.
+    """
+
+    relative_path: str
+    offset: int
+    length: int
+    data_offset: int
+    data_length: int
+
+    def to_torch(self) -> _StorageInfo:
+        """The torch ``_StorageInfo`` that torch's readers understand."""
+        return _StorageInfo(self.relative_path, self.offset, self.length)
+
+
+# -- tagged JSON for planner_data -----------------------------------------------
+def _encode_value(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return {"__float__": repr(value)}
+        return value
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode_value(v, where) for v in value]}
+    if isinstance(value, list):
+        return [_encode_value(v, where) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"{where}: planner_data dict keys must be strings")
+        return {"__dict__": {k: _encode_value(v, where) for k, v in value.items()}}
+    raise TypeError(
+        f"{where}: planner_data holds a {type(value).__name__}, which dcp_ext's "
+        f"JSON metadata cannot store; use strings, numbers, lists, tuples and dicts"
+    )
+
+
+def _decode_value(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode_value(v) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return tuple(_decode_value(v) for v in value["__tuple__"])
+        if "__dict__" in value:
+            return {k: _decode_value(v) for k, v in value["__dict__"].items()}
+        if "__float__" in value:
+            return float(value["__float__"])
+        raise ValueError(f"unknown tagged value {sorted(value)}")
+    return value
+
+
+# -- writing ----------------------------------------------------------------------
+def encode_metadata(
+    metadata: Metadata,
+    items: dict[MetadataIndex, StoredItem],
+    *,
+    world_size: int,
+) -> bytes:
+    """Serialize ``metadata`` and where its items live as dcp_ext's JSON."""
+    where = METADATA_FILE
+    state_dict: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            state_dict[fqn] = {
+                "kind": "tensor",
+                "dtype": dtype_name(md.properties.dtype),
+                "size": [int(s) for s in md.size],
+                "requires_grad": bool(md.properties.requires_grad),
+                "chunks": [
+                    {"offsets": [int(o) for o in c.offsets], "sizes": [int(s) for s in c.sizes]}
+                    for c in md.chunks
+                ],
+            }
+        else:
+            state_dict[fqn] = {"kind": "bytes"}
+    files: dict[str, int] = {}
+    records = []
+    for index, item in sorted(
+        items.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)
+    ):
+        records.append(
+            {
+                "fqn": index.fqn,
+                "offset": None if index.offset is None else [int(o) for o in index.offset],
+                "file": item.relative_path,
+                "at": item.offset,
+                "length": item.length,
+                "data_at": item.data_offset,
+                "data_length": item.data_length,
+            }
+        )
+        files[item.relative_path] = max(files.get(item.relative_path, 0), item.offset + item.length)
+    storage_meta = metadata.storage_meta
+    document = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "dcp_version": DCP_VERSION,
+        "torch_version": torch.__version__.split("+")[0],
+        "byteorder": "little",
+        "created": time.time(),
+        "world_size": world_size,
+        "storage_meta": None
+        if storage_meta is None
+        else {
+            "checkpoint_id": None
+            if storage_meta.checkpoint_id is None
+            else str(storage_meta.checkpoint_id),
+            "save_id": storage_meta.save_id,
+            "modules": list(storage_meta.modules or []),
+        },
+        "planner_data": _encode_value(metadata.planner_data, where),
+        "state_dict": state_dict,
+        "items": records,
+        "files": files,
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def to_torch_metadata(metadata: Metadata, items: dict[MetadataIndex, StoredItem]) -> bytes:
+    """Torch's pickled ``.metadata`` for the same checkpoint (interop only)."""
+    torch_md = Metadata(
+        state_dict_metadata=metadata.state_dict_metadata,
+        planner_data=metadata.planner_data,
+        storage_data={index: item.to_torch() for index, item in items.items()},
+        storage_meta=metadata.storage_meta,
+        version=DCP_VERSION,
+    )
+    return pickle.dumps(torch_md)
+
+
+# -- reading ----------------------------------------------------------------------
+def _int_list(value: Any, what: str, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise CheckpointCorruptError(f"{where}: {what} must be a list of non-negative integers", where)
+    return value
+
+
+def _nonneg(value: Any, what: str, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CheckpointCorruptError(f"{where}: {what} must be a non-negative integer, got {value!r}", where)
+    return value
+
+
+@dataclass(frozen=True)
+class DecodedMetadata:
+    """What :func:`decode_metadata` returns."""
+
+    metadata: Metadata
+    files: dict[str, int]
+    world_size: int
+
+
+def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
+    """Parse and validate dcp_ext's JSON metadata.
+
+    Args:
+        data: The file's bytes.
+        where: The file's location, for messages.
+
+    Raises:
+        CheckpointCorruptError: The document is not valid dcp_ext metadata.
+    """
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointCorruptError(
+            f"{where} is not valid JSON ({err}); the metadata file is damaged", where
+        ) from err
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointCorruptError(f"{where} is not dcp_ext metadata", where)
+    version = doc.get("version")
+    if version != FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"{where} has metadata version {version!r}; this dcp_ext reads version "
+            f"{FORMAT_VERSION}. Upgrade dcp_ext to load it.",
+            where,
+        )
+    try:
+        state_dict_metadata: dict[str, Any] = {}
+        for fqn, entry in doc["state_dict"].items():
+            kind = entry["kind"]
+            if kind == "bytes":
+                state_dict_metadata[fqn] = BytesStorageMetadata()
+                continue
+            if kind != "tensor":
+                raise CheckpointCorruptError(f"{where}: key {fqn!r} has unknown kind {kind!r}", where)
+            size = _int_list(entry["size"], f"size of {fqn!r}", where)
+            chunks = []
+            for chunk in entry["chunks"]:
+                offsets = _int_list(chunk["offsets"], f"chunk offsets of {fqn!r}", where)
+                sizes = _int_list(chunk["sizes"], f"chunk sizes of {fqn!r}", where)
+                if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                    o + s > n for o, s, n in zip(offsets, sizes, size)
+                ):
+                    raise CheckpointCorruptError(
+                        f"{where}: a chunk of {fqn!r} (offsets {offsets}, sizes {sizes}) "
+                        f"lies outside the tensor's size {size}",
+                        where,
+                    )
+                chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            try:
+                dtype = dtype_from_name(entry["dtype"])
+            except ValueError as err:
+                raise CheckpointCorruptError(f"{where}: key {fqn!r}: {err}", where) from err
+            state_dict_metadata[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype, requires_grad=bool(entry.get("requires_grad", False))),
+                size=torch.Size(size),
+                chunks=chunks,
+            )
+        files = {
+            validate_file_name(name, where): _nonneg(size, f"size of {name!r}", where)
+            for name, size in doc["files"].items()
+        }
+        storage: dict[MetadataIndex, StoredItem] = {}
+        for record in doc["items"]:
+            fqn = record["fqn"]
+            if fqn not in state_dict_metadata:
+                raise CheckpointCorruptError(f"{where}: item for unknown key {fqn!r}", where)
+            offset = record["offset"]
+            index = MetadataIndex(fqn, None if offset is None else _int_list(offset, f"offset of {fqn!r}", where))
+            name = validate_file_name(record["file"], where)
+            item = StoredItem(
+                name,
+                _nonneg(record["at"], "item offset", where),
+                _nonneg(record["length"], "item length", where),
+                _nonneg(record["data_at"], "data offset", where),
+                _nonneg(record["data_length"], "data length", where),
+            )
+            if item.data_offset + item.data_length > item.length:
+                raise CheckpointCorruptError(
+                    f"{where}: item {fqn!r} claims data outside its own byte range", where
+                )
+            if name not in files or item.offset + item.length > files[name]:
+                raise CheckpointCorruptError(
+                    f"{where}: item {fqn!r} lies outside file {name!r} as recorded", where
+                )
+            storage[index] = item
+        meta_in = doc.get("storage_meta")
+        storage_meta = (
+            None
+            if meta_in is None
+            else StorageMeta(
+                checkpoint_id=meta_in.get("checkpoint_id"),
+                save_id=meta_in.get("save_id"),
+                modules=list(meta_in.get("modules") or []),
+            )
+        )
+        metadata = Metadata(
+            state_dict_metadata=state_dict_metadata,
+            planner_data=_decode_value(doc.get("planner_data")),
+            storage_data=storage,
+            storage_meta=storage_meta,
+            version=str(doc.get("dcp_version", DCP_VERSION)),
+        )
+        world_size = int(doc.get("world_size", 0))
+    except CheckpointCorruptError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CheckpointCorruptError(
+            f"{where} is malformed ({type(err).__name__}: {err}); the metadata file is damaged",
+            where,
+        ) from err
+    return DecodedMetadata(metadata, files, world_size)
+
+
+# -- torch's pickle, restricted -------------------------------------------------
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise CheckpointCorruptError(
+            f"{self.where} refers to {module}.{name}, which is not part of DCP "
+            f"metadata; refusing to unpickle it (it could run code). Load this "
+            f"checkpoint only if you trust its source, with torch's own reader.",
+            self.where,
+        )
+
+
+def load_torch_metadata(data: bytes, where: str) -> Metadata:
+    """Unpickle torch's ``.metadata`` admitting only DCP metadata classes.
+
+    Raises:
+        CheckpointCorruptError: The pickle is damaged or names any other class
+            or function (nothing from it is executed).
+    """
+    try:
+        metadata = _RestrictedUnpickler(data, where).load()
+    except CheckpointCorruptError:
+        raise
+    except Exception as err:
+        raise CheckpointCorruptError(
+            f"{where} cannot be read as DCP metadata ({type(err).__name__}: {err}); "
+            f"the metadata file is damaged",
+            where,
+        ) from err
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{where} does not hold DCP metadata", where)
+    return metadata

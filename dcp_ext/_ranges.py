@@ -1,0 +1,195 @@
+"""Byte ranges: which bytes of which file a load needs, merged into requests.
+
+Pure logic, no I/O. The reader turns each tensor slice it needs into
+:class:`Piece` objects (a file range and the memory it must land in);
+:func:`plan_requests` merges pieces of the same file that lie close together
+into one :class:`ReadRequest` (object stores charge per request) and splits
+large ones so several requests run in parallel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Piece", "ReadRequest", "plan_requests", "box_runs", "run_starts", "BoxReadShape"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Piece:
+    """``length`` bytes at ``offset`` of file ``name``, to be copied into ``dest``."""
+
+    name: str
+    offset: int
+    dest: memoryview
+
+    @property
+    def length(self) -> int:
+        return self.dest.nbytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.dest.nbytes
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ReadRequest:
+    """One ranged read: ``length`` bytes at ``offset`` of ``name``.
+
+    Attributes:
+        targets: ``(position within this request, destination)`` pairs. The
+            destinations may overlap the request only partly and never extend
+            beyond it.
+    """
+
+    name: str
+    offset: int
+    length: int
+    targets: tuple[tuple[int, memoryview], ...]
+
+    @property
+    def is_direct(self) -> bool:
+        """True when the request lands straight in one destination (no copy)."""
+        if len(self.targets) != 1:
+            return False
+        pos, dest = self.targets[0]
+        return pos == 0 and dest.nbytes == self.length
+
+
+def plan_requests(
+    pieces: Iterable[Piece], *, gap: int, max_request: int
+) -> list[ReadRequest]:
+    """Merge and split pieces into read requests.
+
+    Pieces of one file whose gap is at most ``gap`` bytes are fetched by one
+    request, as long as the request stays within ``max_request`` bytes. A
+    piece larger than ``max_request`` becomes several direct requests, each
+    reading into its own slice of the destination.
+
+    Args:
+        pieces: What to read; empty pieces are dropped.
+        gap: Largest hole (bytes) worth reading through to save a request.
+        max_request: Largest merged request, bytes.
+
+    Returns:
+        Requests ordered by file then offset.
+    """
+    by_name: dict[str, list[Piece]] = {}
+    for piece in pieces:
+        if piece.length:
+            by_name.setdefault(piece.name, []).append(piece)
+
+    requests: list[ReadRequest] = []
+    for name in sorted(by_name):
+        group: list[Piece] = []
+        start = end = 0
+
+        def flush() -> None:
+            if group:
+                targets = tuple((p.offset - start, p.dest) for p in group)
+                requests.append(ReadRequest(name, start, end - start, targets))
+                group.clear()
+
+        for piece in sorted(by_name[name], key=lambda p: p.offset):
+            if piece.length > max_request:
+                flush()
+                for pos in range(0, piece.length, max_request):
+                    dest = piece.dest[pos : pos + max_request]
+                    requests.append(
+                        ReadRequest(name, piece.offset + pos, dest.nbytes, ((0, dest),))
+                    )
+                continue
+            if group and (
+                piece.offset - end > gap or max(end, piece.end) - start > max_request
+            ):
+                flush()
+            if not group:
+                start, end = piece.offset, piece.end
+            else:
+                end = max(end, piece.end)
+            group.append(piece)
+        flush()
+    return requests
+
+
+@dataclass(frozen=True, slots=True)
+class BoxReadShape:
+    """How a box (sub-block) of a row-major chunk lies in the chunk's bytes.
+
+    Attributes:
+        first: Element index (in the chunk) of the box's first element.
+        span: Elements from ``first`` to the box's last element, inclusive.
+        run: Elements in each contiguous run of the box.
+        runs: Number of runs; ``runs * run`` elements are wanted.
+        cut: Innermost dimension the box cuts (runs vary over the ones before).
+        strides: Row-major element strides of the chunk.
+    """
+
+    first: int
+    span: int
+    run: int
+    runs: int
+    cut: int
+    strides: tuple[int, ...]
+
+
+def _row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    strides = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * max(int(sizes[d + 1]), 1)
+    return tuple(strides)
+
+
+def box_runs(
+    sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]
+) -> BoxReadShape:
+    """Describe the box ``offsets``/``lengths`` of a row-major chunk of ``sizes``.
+
+    A 0-d chunk is one element; a box with a zero length is empty
+    (``runs == 0``).
+
+    Raises:
+        ValueError: The box does not fit inside the chunk.
+    """
+    if not (len(sizes) == len(offsets) == len(lengths)):
+        raise ValueError(
+            f"box rank mismatch: chunk {tuple(sizes)}, offsets {tuple(offsets)}, "
+            f"lengths {tuple(lengths)}"
+        )
+    for size, off, length in zip(sizes, offsets, lengths):
+        if off < 0 or length < 0 or off + length > size:
+            raise ValueError(
+                f"box offsets {tuple(offsets)} lengths {tuple(lengths)} "
+                f"exceed chunk {tuple(sizes)}"
+            )
+    strides = _row_major_strides(sizes)
+    if any(length == 0 for length in lengths):
+        return BoxReadShape(0, 0, 0, 0, 0, strides)
+    first = sum(o * s for o, s in zip(offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    # The innermost dimension, scanning from the right, that the box cuts.
+    cut = -1
+    for d in range(len(sizes) - 1, -1, -1):
+        if lengths[d] != sizes[d]:
+            cut = d
+            break
+    if cut <= 0:
+        # Whole chunk, or a cut only in the leading dimension: one run.
+        run = last - first + 1
+        return BoxReadShape(first, run, run, 1, 0, strides)
+    run = int(lengths[cut]) * strides[cut]
+    runs = math.prod(int(n) for n in lengths[:cut])
+    return BoxReadShape(first, last - first + 1, run, runs, cut, strides)
+
+
+def run_starts(shape: BoxReadShape, offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
+    """Element index (in the chunk) where each run of the box starts, in order."""
+    if shape.runs <= 1:
+        return [shape.first] if shape.runs == 1 else []
+    starts = [int(offsets[shape.cut]) * shape.strides[shape.cut]]
+    for d in range(shape.cut - 1, -1, -1):
+        step = shape.strides[d]
+        base = int(offsets[d]) * step
+        starts = [base + i * step + s for i in range(int(lengths[d])) for s in starts]
+    return starts

@@ -1,0 +1,96 @@
+"""``dcp_ext.save`` / ``dcp_ext.load``: stock DCP with dcp_ext storage and errors.
+
+These call ``torch.distributed.checkpoint.save``/``load`` with a
+:class:`CheckpointWriter`/:class:`CheckpointReader` and differ in two ways:
+
+* a failure raises the underlying error (a :class:`~dcp_ext.errors.DcpExtError`
+  where storage is at fault) instead of DCP's ``CheckpointException``, which
+  derives from ``BaseException`` and escapes ``except Exception``;
+* a failed save deletes the data files every rank committed, so nothing
+  orphaned stays behind (the metadata, the commit marker, was never written).
+
+Call them on every rank of the process group, like ``dcp.save``/``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+
+from .config import IOConfig
+from .errors import unwrap_checkpoint_exception
+from .reader import CheckpointReader
+from .writer import CheckpointWriter
+
+__all__ = ["save", "load"]
+
+
+def _reraise(exc: CheckpointException, preferred: BaseException | None = None) -> None:
+    inner = preferred or unwrap_checkpoint_exception(exc)
+    if isinstance(inner, Exception) and inner is not exc:
+        raise inner
+    raise exc
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    planner: SavePlanner | None = None,
+    process_group: Any = None,
+    config: IOConfig | None = None,
+    **io_options: Any,
+) -> Metadata:
+    """(all ranks) Save ``state_dict`` to ``path`` with :class:`CheckpointWriter`.
+
+    Args:
+        state_dict: What to save, as for ``dcp.save``.
+        path: Local path, ``s3://`` or fsspec URL of the checkpoint directory.
+        storage_options: fsspec/s3fs options.
+        overwrite: Replace a committed checkpoint at ``path``.
+        planner: A DCP ``SavePlanner``; DCP's default one if ``None``.
+        process_group: Group to save with; the default group if ``None``.
+        config: I/O tunables; ``io_options`` (``part_size=``, ...) override it.
+
+    Returns:
+        The checkpoint's DCP metadata.
+    """
+    writer = CheckpointWriter(
+        path, storage_options=storage_options, overwrite=overwrite, config=config, **io_options
+    )
+    try:
+        return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+    except CheckpointException as exc:
+        writer.remove_own_files()
+        _reraise(exc)
+        raise  # unreachable; keeps type checkers content
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    planner: LoadPlanner | None = None,
+    process_group: Any = None,
+    config: IOConfig | None = None,
+    **io_options: Any,
+) -> None:
+    """(all ranks) Load ``path`` into ``state_dict`` in place with :class:`CheckpointReader`.
+
+    Args: as for :func:`save`; ``planner`` is a DCP ``LoadPlanner``.
+    """
+    reader = CheckpointReader(path, storage_options=storage_options, config=config, **io_options)
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+    except CheckpointException as exc:
+        # DCP re-raises metadata failures as a bare AssertionError; the reader
+        # kept the real one.
+        _reraise(exc, reader.last_error)

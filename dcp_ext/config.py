@@ -1,0 +1,177 @@
+"""Tunables for storage I/O, in one place.
+
+Defaults suit most users: one writer stream per rank, 16 MiB S3 parts with 8 in
+flight (about 128 MiB of upload buffers per rank), ranged reads merged when
+closer than 1 MiB, reads split into 16 MiB requests with 16 in flight.
+
+Every field can also be set from the environment (``DCP_EXT_PART_SIZE=8MiB``,
+``DCP_EXT_MAX_CONCURRENCY=4``, ...), which is handy on a cluster where the code
+cannot change; explicit arguments win over the environment.
+
+When to change them:
+
+* ``part_size``: larger parts (32-64 MiB) help on fast links to S3 with few
+  ranks; S3 needs at least 5 MiB and allows at most 10,000 parts per object, so
+  files bigger than ``10_000 * part_size`` raise the part size automatically.
+* ``max_concurrency``: requests in flight per rank. Raise it when one rank must
+  saturate a fast network link; lower it (and ``part_size``) to cap memory.
+* ``files_per_rank``: split one rank's shard into several files written by
+  parallel threads. Helps on parallel file systems (Lustre/FSx) where one
+  stream is limited by a single object storage target.
+* ``coalesce_gap``: ranged reads closer than this are fetched in one request.
+  Object stores charge per request, so this is larger for S3 than for disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+
+__all__ = ["IOConfig", "RetryPolicy", "parse_size"]
+
+_KIB = 1024
+_MIB = 1024 * 1024
+_GIB = 1024 * 1024 * 1024
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": _KIB,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": _MIB,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": _GIB,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a byte count such as ``16777216``, ``"16MiB"`` or ``"8 MB"``.
+
+    Raises:
+        ValueError: ``value`` is not a non-negative size.
+    """
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    match = _SIZE_RE.match(str(value))
+    unit = (match.group(2) or "").lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ValueError(f"cannot parse size {value!r}: use bytes or e.g. '16MiB'")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded exponential backoff with full jitter for transient storage errors.
+
+    Attempt ``n`` (from 1) that fails transiently sleeps a random time in
+    ``[0, min(max_delay, base_delay * 2**(n-1))]`` before the next one; after
+    ``max_attempts`` attempts the last error is raised.
+
+    Attributes:
+        max_attempts: Attempts per request, including the first one.
+        base_delay: Seconds of the first backoff ceiling.
+        max_delay: Upper bound of any single backoff, seconds.
+    """
+
+    max_attempts: int = 6
+    base_delay: float = 0.1
+    max_delay: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.base_delay < 0 or self.max_delay < 0:
+            raise ValueError("retry delays must be >= 0")
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    """How a writer or reader moves bytes. All sizes in bytes.
+
+    Attributes:
+        part_size: Bytes per S3 multipart part / per streamed write buffer.
+        max_concurrency: Requests (parts or ranged reads) in flight per rank.
+        read_request_size: Largest single ranged read; bigger ranges are split
+            into parallel requests of this size.
+        coalesce_gap: Merge ranged reads whose gap is below this many bytes.
+            ``None`` picks 1 MiB for object stores and 64 KiB for file systems.
+        read_buffer_bytes: Cap on scratch memory for reads that cannot land
+            directly in the destination tensor (resharded slices, dtype casts).
+        files_per_rank: Data files each rank writes, in parallel threads.
+        fsync: ``fsync`` data and metadata on file systems before commit.
+            Turning it off trades crash safety for speed.
+        retry: Backoff policy for transient errors.
+    """
+
+    part_size: int = 16 * _MIB
+    max_concurrency: int = 8
+    read_request_size: int = 16 * _MIB
+    coalesce_gap: int | None = None
+    read_buffer_bytes: int = 256 * _MIB
+    files_per_rank: int = 1
+    fsync: bool = True
+    retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        if self.part_size < 5 * _MIB:
+            raise ValueError(
+                f"part_size must be >= 5 MiB (S3's minimum part), got {self.part_size}"
+            )
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.read_request_size < 64 * _KIB:
+            raise ValueError(
+                f"read_request_size must be >= 64 KiB, got {self.read_request_size}"
+            )
+        if self.coalesce_gap is not None and self.coalesce_gap < 0:
+            raise ValueError(f"coalesce_gap must be >= 0, got {self.coalesce_gap}")
+        if self.read_buffer_bytes < _MIB:
+            raise ValueError(
+                f"read_buffer_bytes must be >= 1 MiB, got {self.read_buffer_bytes}"
+            )
+        if self.files_per_rank < 1:
+            raise ValueError(f"files_per_rank must be >= 1, got {self.files_per_rank}")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> IOConfig:
+        """Build a config from ``DCP_EXT_*`` variables, then ``overrides``.
+
+        ``None`` values in ``overrides`` mean "not given" and keep the
+        environment's or the default value.
+        """
+        values: dict[str, object] = {}
+        env = os.environ
+        for field in dataclasses.fields(cls):
+            if field.name == "retry":
+                continue
+            raw = env.get(f"DCP_EXT_{field.name.upper()}")
+            if raw is None:
+                continue
+            if field.name in ("part_size", "read_request_size", "coalesce_gap", "read_buffer_bytes"):
+                values[field.name] = parse_size(raw)
+            elif field.name == "fsync":
+                values[field.name] = raw.strip().lower() not in ("0", "false", "no", "off")
+            else:
+                values[field.name] = int(raw)
+        retry_attempts = env.get("DCP_EXT_RETRY_MAX_ATTEMPTS")
+        if retry_attempts is not None:
+            values["retry"] = RetryPolicy(max_attempts=int(retry_attempts))
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            if key in ("part_size", "read_request_size", "coalesce_gap", "read_buffer_bytes"):
+                value = parse_size(value)  # type: ignore[arg-type]
+            values[key] = value
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,122 @@
+"""Errors raised by dcp_ext.
+
+Every error derives from :class:`DcpExtError` and from the built-in exception it
+resembles, so ``except FileNotFoundError`` or ``except PermissionError`` keeps
+working for callers that do not know dcp_ext. Messages name the path (and key
+or tensor where relevant) and say what to check.
+
+Errors cross process boundaries: DCP gathers every rank's exception to the
+coordinator with pickle, so each class pickles by message alone.
+
+``dcp.save`` / ``dcp.load`` wrap storage errors in DCP's ``CheckpointException``
+(a ``BaseException``). :func:`unwrap_checkpoint_exception` recovers ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "DcpExtError",
+    "CheckpointNotFoundError",
+    "BucketNotFoundError",
+    "NotACheckpointError",
+    "CheckpointIncompleteError",
+    "CheckpointExistsError",
+    "CheckpointCorruptError",
+    "StoragePermissionError",
+    "CredentialsError",
+    "StorageError",
+    "TransientStorageError",
+    "unwrap_checkpoint_exception",
+]
+
+
+class DcpExtError(Exception):
+    """Base class of every error raised by dcp_ext.
+
+    Args:
+        message: The full, user-facing message.
+        path: The file, object or checkpoint the error is about, if any.
+    """
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.path))
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointNotFoundError(DcpExtError, FileNotFoundError):
+    """The checkpoint path (directory, prefix or bucket) does not exist."""
+
+
+class BucketNotFoundError(CheckpointNotFoundError):
+    """The S3 bucket named in the URL does not exist or is not visible."""
+
+
+class NotACheckpointError(DcpExtError, FileNotFoundError):
+    """The path exists but holds no DCP checkpoint (no metadata, no data files)."""
+
+
+class CheckpointIncompleteError(NotACheckpointError):
+    """Data files exist but the metadata (the commit marker) does not.
+
+    The save that wrote them failed or is still running; the data must not be
+    loaded.
+    """
+
+
+class CheckpointExistsError(DcpExtError, FileExistsError):
+    """A committed checkpoint already exists at the path and ``overwrite=False``."""
+
+
+class CheckpointCorruptError(DcpExtError, ValueError):
+    """Metadata or data does not match what the checkpoint says it holds."""
+
+
+class StoragePermissionError(DcpExtError, PermissionError):
+    """The storage refused the operation (file mode, bucket policy, ACL)."""
+
+
+class CredentialsError(StoragePermissionError):
+    """No usable credentials, or the storage rejected them."""
+
+
+class StorageError(DcpExtError, OSError):
+    """Any other storage failure, after retries where they apply."""
+
+
+class TransientStorageError(StorageError):
+    """A failure that is worth retrying (throttling, 5xx, reset, short read)."""
+
+
+def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:
+    """Return the most useful error inside DCP's ``CheckpointException``.
+
+    ``dcp.save``/``dcp.load`` collect every rank's exception into a
+    ``CheckpointException`` that derives from ``BaseException``. This returns the
+    first :class:`DcpExtError` found among the ranks' failures (lowest rank
+    first), else the first failure of any kind, else ``exc`` itself. The
+    returned error's ``__cause__`` chain is intact.
+
+    Args:
+        exc: Any exception; non-``CheckpointException`` values are returned as is.
+    """
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return exc
+    inner: list[BaseException] = []
+    for rank in sorted(failures):
+        entry = failures[rank]
+        err = entry[0] if isinstance(entry, tuple) else entry
+        if isinstance(err, BaseException):
+            inner.append(unwrap_checkpoint_exception(err))
+    for err in inner:
+        if isinstance(err, DcpExtError):
+            return err
+    return inner[0] if inner else exc

@@ -1,0 +1,63 @@
+"""Storage backends: where checkpoint bytes live.
+
+:func:`open_store` picks the backend from the path: a plain path or
+``file://`` URL is :class:`LocalStore`, ``s3://`` is :class:`S3Store`, any
+other fsspec URL is :class:`FsspecStore`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..config import IOConfig
+from ._base import IOStats, IOStatsSnapshot, ObjectWriter, Store
+from .fsspec_store import FsspecStore
+from .local import LocalStore
+from .s3 import S3Store
+
+__all__ = [
+    "Store",
+    "ObjectWriter",
+    "IOStats",
+    "IOStatsSnapshot",
+    "LocalStore",
+    "S3Store",
+    "FsspecStore",
+    "open_store",
+    "normalize_path",
+]
+
+_S3_SCHEMES = ("s3://", "s3a://", "s3n://")
+
+
+def normalize_path(path: str | os.PathLike[str]) -> str:
+    """The checkpoint location as a string: a local path or an fsspec URL."""
+    text = os.fspath(path)
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    return text
+
+
+def open_store(
+    path: str | os.PathLike[str],
+    config: IOConfig,
+    storage_options: dict[str, Any] | None = None,
+    filesystem: Any = None,
+) -> Store:
+    """Open the store for ``path``.
+
+    Args:
+        path: Local path, ``file://``, ``s3://`` or any fsspec URL.
+        config: I/O tunables.
+        storage_options: Options for the fsspec/s3fs file system (S3 endpoint,
+            credentials, region ...). Not used for local paths.
+        filesystem: A file system instance from an earlier store of the same
+            kind, to reuse its connections.
+    """
+    text = normalize_path(path)
+    if text.startswith(_S3_SCHEMES):
+        return S3Store("s3://" + text.split("://", 1)[1], config, storage_options, filesystem)
+    if "://" in text:
+        return FsspecStore(text, config, storage_options, filesystem)
+    return LocalStore(text, config)

@@ -1,0 +1,226 @@
+"""The storage contract every backend implements.
+
+A :class:`Store` is rooted at one directory-like location (a local directory,
+an S3 prefix, an fsspec URL) and holds the files of one checkpoint. Names are
+relative to the root and use ``/`` as separator.
+
+Writes stream through an :class:`ObjectWriter`: nothing is visible under the
+final name until :meth:`ObjectWriter.commit` returns, and by then the bytes
+are durable (fsync'ed file, completed multipart upload). :meth:`ObjectWriter.abort`
+leaves nothing behind that a reader could find.
+
+Reads are batches of :class:`~dcp_ext._ranges.ReadRequest` executed in
+parallel, each landing directly in caller-owned memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from .._ranges import ReadRequest
+from ..config import IOConfig
+from ..errors import CheckpointCorruptError
+
+__all__ = ["Store", "ObjectWriter", "IOStats", "IOStatsSnapshot", "scatter"]
+
+
+@dataclass(frozen=True)
+class IOStatsSnapshot:
+    """Counters of one store at one moment (see :class:`IOStats`)."""
+
+    bytes_read: int
+    read_requests: int
+    bytes_written: int
+    files_written: int
+    files_read: frozenset[str]
+
+
+class IOStats:
+    """Thread-safe counters of data moved by a store.
+
+    Only data-file traffic made through :meth:`Store.read` and
+    :class:`ObjectWriter` is counted; small metadata files are not.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._bytes_read = 0
+            self._read_requests = 0
+            self._bytes_written = 0
+            self._files_written = 0
+            self._files_read: set[str] = set()
+
+    def add_read(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            self._bytes_read += nbytes
+            self._read_requests += 1
+            self._files_read.add(name)
+
+    def add_written_file(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes_written += nbytes
+            self._files_written += 1
+
+    def snapshot(self) -> IOStatsSnapshot:
+        with self._lock:
+            return IOStatsSnapshot(
+                self._bytes_read,
+                self._read_requests,
+                self._bytes_written,
+                self._files_written,
+                frozenset(self._files_read),
+            )
+
+
+def scatter(request: ReadRequest, data: memoryview) -> None:
+    """Copy the bytes of a fetched, non-direct ``request`` into its targets."""
+    for pos, dest in request.targets:
+        dest[:] = data[pos : pos + dest.nbytes]
+
+
+class ObjectWriter(ABC):
+    """A file being written: stream bytes in, then commit or abort.
+
+    Used as a context manager, an exception inside the block aborts it.
+    Writers are used by one thread at a time.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.position = 0
+
+    @abstractmethod
+    def write(self, data: memoryview | bytes | bytearray) -> None:
+        """Append ``data``. May return before it is stored; errors surface at
+        a later ``write`` or at ``commit``."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the file durable and visible under its final name."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard everything written; safe to call more than once."""
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            self.abort()
+
+
+class Store(ABC):
+    """One checkpoint directory on some storage.
+
+    Args:
+        url: The root, as the user gave it (used in messages).
+        config: I/O tunables.
+    """
+
+    #: ``"local"``, ``"s3"`` or ``"fsspec"``; decides defaults such as the
+    #: coalescing gap.
+    kind: str = "fsspec"
+
+    def __init__(self, url: str, config: IOConfig) -> None:
+        self.url = url.rstrip("/") or url
+        self.config = config
+        self.stats = IOStats()
+
+    # -- naming -----------------------------------------------------------
+    def describe(self, name: str = "") -> str:
+        """The full location of ``name`` for messages."""
+        return f"{self.url}/{name}" if name else self.url
+
+    @property
+    def coalesce_gap(self) -> int:
+        if self.config.coalesce_gap is not None:
+            return self.config.coalesce_gap
+        return 64 * 1024 if self.kind == "local" else 1024 * 1024
+
+    # -- small files ------------------------------------------------------
+    @abstractmethod
+    def read_file(self, name: str) -> bytes:
+        """Return a whole (small) file.
+
+        Raises:
+            FileNotFoundError: (a dcp_ext subclass) ``name`` does not exist.
+        """
+
+    @abstractmethod
+    def write_file(self, name: str, data: bytes) -> None:
+        """Atomically publish a small file: readers see the old or the new one."""
+
+    # -- data files -------------------------------------------------------
+    @abstractmethod
+    def open_writer(self, name: str, size_hint: int | None = None) -> ObjectWriter:
+        """Start streaming a data file (see :class:`ObjectWriter`).
+
+        Args:
+            name: File name under the root.
+            size_hint: Expected size in bytes, if known (sizes S3 parts).
+        """
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        """Run ranged reads in parallel; each fills its targets exactly.
+
+        Raises:
+            CheckpointCorruptError: A file ended before the requested range.
+        """
+        if requests:
+            self._run_reads(requests)
+
+    @abstractmethod
+    def _run_reads(self, requests: Sequence[ReadRequest]) -> None:
+        """Backend part of :meth:`read`."""
+
+    def _short_read(self, name: str, offset: int, wanted: int, got: int) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"{self.describe(name)} is shorter than the checkpoint metadata says: "
+            f"bytes [{offset}, {offset + wanted}) were requested but only {got} "
+            f"could be read. The file is truncated or was replaced; restore it "
+            f"or load an older checkpoint.",
+            self.describe(name),
+        )
+
+    # -- namespace --------------------------------------------------------
+    @abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether file ``name`` exists."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Delete file ``name``; a missing file is not an error."""
+
+    @abstractmethod
+    def list_names(self) -> list[str]:
+        """Names of the files directly under the root (empty if it has none)."""
+
+    @abstractmethod
+    def root_exists(self) -> bool:
+        """Whether the root exists (a directory, or any object under a prefix).
+
+        Raises:
+            CheckpointNotFoundError: (subclass) the bucket does not exist.
+            StoragePermissionError: the storage refused to tell.
+        """
+
+    @abstractmethod
+    def ensure_root(self) -> None:
+        """Create the root if the storage has directories; check it is writable."""
+
+    def close(self) -> None:
+        """Release connections and threads held by this store."""

@@ -1,0 +1,263 @@
+"""Local disk and shared POSIX file systems (NFS, Lustre / FSx, GPFS).
+
+Each rank streams its files with large sequential ``write`` calls straight from
+tensor memory, under a temporary name in the same directory; ``commit`` fsyncs
+the file, renames it into place and fsyncs the directory, so a crash never
+leaves a partial file under a data file's name. Reads use ``preadv`` into the
+destination memory from a small thread pool (``preadv`` releases the GIL).
+
+On Lustre/FSx, ranks writing different files into one directory is the fast
+path; raise ``IOConfig.files_per_rank`` to stripe one rank over several OSTs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .._ranges import ReadRequest
+from ..config import IOConfig
+from ..errors import (
+    CheckpointNotFoundError,
+    DcpExtError,
+    NotACheckpointError,
+    StorageError,
+    StoragePermissionError,
+)
+from ._base import ObjectWriter, Store, scatter
+
+__all__ = ["LocalStore", "TMP_MARK"]
+
+#: Marks temporary files; a name containing it is never a committed file.
+TMP_MARK = ".dcp_ext-tmp-"
+
+# Writes smaller than this are gathered into one buffer (headers, small
+# tensors); larger ones go straight from tensor memory to the kernel.
+_SMALL_WRITE = 1 << 20
+_BUFFER = 4 << 20
+
+
+def translate_os_error(err: OSError, where: str, doing: str) -> DcpExtError:
+    """Map an ``OSError`` to the dcp_ext error a user can act on."""
+    if isinstance(err, DcpExtError):
+        return err
+    code = err.errno
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return StoragePermissionError(
+            f"permission denied {doing} {where}: check the directory's owner and "
+            f"mode, and that the file system is not mounted read-only ({err.strerror})",
+            where,
+        )
+    if code == errno.ENOENT:
+        return CheckpointNotFoundError(
+            f"{where} does not exist ({doing}): check the path", where
+        )
+    if code == errno.ENOTDIR:
+        return NotACheckpointError(
+            f"{where}: a parent of this path is a file, not a directory ({doing})", where
+        )
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return StorageError(
+            f"no space left {doing} {where}: free space or raise the quota "
+            f"({err.strerror})",
+            where,
+        )
+    return StorageError(f"I/O error {doing} {where}: {err}", where)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        # Some file systems (and Windows) cannot fsync a directory.
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+class _LocalWriter(ObjectWriter):
+    def __init__(self, store: LocalStore, name: str) -> None:
+        super().__init__(name)
+        self._store = store
+        self._final = store.root / name
+        self._tmp = self._final.with_name(
+            f"{self._final.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+        )
+        self._buffer = bytearray()
+        self._closed = False
+        try:
+            self._fd = os.open(
+                self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+            )
+        except OSError as err:
+            raise translate_os_error(err, str(self._final), "creating") from err
+
+    def _write_all(self, data: memoryview | bytes | bytearray) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            written = os.write(self._fd, view)
+            view = view[written:]
+
+    def write(self, data: memoryview | bytes | bytearray) -> None:
+        size = memoryview(data).nbytes
+        try:
+            if size < _SMALL_WRITE:
+                self._buffer += data
+                if len(self._buffer) >= _BUFFER:
+                    self._flush()
+            else:
+                self._flush()
+                self._write_all(data)
+        except OSError as err:
+            raise translate_os_error(err, str(self._final), "writing") from err
+        self.position += size
+
+    def _flush(self) -> None:
+        if self._buffer:
+            self._write_all(self._buffer)
+            self._buffer = bytearray()
+
+    def commit(self) -> None:
+        try:
+            self._flush()
+            if self._store.config.fsync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._closed = True
+            os.replace(self._tmp, self._final)
+            if self._store.config.fsync:
+                _fsync_dir(self._final.parent)
+        except OSError as err:
+            self.abort()
+            raise translate_os_error(err, str(self._final), "committing") from err
+        self._store.stats.add_written_file(self.position)
+
+    def abort(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        try:
+            os.unlink(self._tmp)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass  # best effort; the temporary name is never read as data
+
+
+class LocalStore(Store):
+    """A checkpoint directory on a local or shared POSIX file system.
+
+    Args:
+        path: Directory of the checkpoint (created on the first write).
+        config: I/O tunables; ``fsync`` and ``max_concurrency`` apply here.
+    """
+
+    kind = "local"
+
+    def __init__(self, path: str | os.PathLike[str], config: IOConfig) -> None:
+        self.root = Path(os.path.abspath(os.fspath(path)))
+        super().__init__(str(self.root), config)
+
+    def _path(self, name: str) -> Path:
+        return self.root / name
+
+    # -- small files --------------------------------------------------------
+    def read_file(self, name: str) -> bytes:
+        try:
+            return self._path(name).read_bytes()
+        except OSError as err:
+            raise translate_os_error(err, self.describe(name), "reading") from err
+
+    def write_file(self, name: str, data: bytes) -> None:
+        with self.open_writer(name) as writer:
+            writer.write(data)
+            writer.commit()
+
+    # -- data files -----------------------------------------------------------
+    def open_writer(self, name: str, size_hint: int | None = None) -> ObjectWriter:
+        return _LocalWriter(self, name)
+
+    def _fetch(self, request: ReadRequest) -> None:
+        path = self._path(request.name)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as err:
+            raise translate_os_error(err, self.describe(request.name), "opening") from err
+        try:
+            if request.is_direct:
+                buf = request.targets[0][1]
+            else:
+                buf = memoryview(bytearray(request.length))
+            done = 0
+            while done < request.length:
+                n = os.preadv(fd, [buf[done:]], request.offset + done)
+                if n == 0:
+                    raise self._short_read(request.name, request.offset, request.length, done)
+                done += n
+        except OSError as err:
+            raise translate_os_error(err, self.describe(request.name), "reading") from err
+        finally:
+            os.close(fd)
+        if not request.is_direct:
+            scatter(request, buf)
+        self.stats.add_read(request.name, request.length)
+
+    def _run_reads(self, requests: Sequence[ReadRequest]) -> None:
+        workers = min(self.config.max_concurrency, len(requests))
+        if workers <= 1:
+            for request in requests:
+                self._fetch(request)
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix="dcp_ext-read") as pool:
+            for future in [pool.submit(self._fetch, r) for r in requests]:
+                future.result()
+
+    # -- namespace ------------------------------------------------------------
+    def exists(self, name: str) -> bool:
+        return self._path(name).is_file()
+
+    def delete(self, name: str) -> None:
+        try:
+            self._path(name).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            raise translate_os_error(err, self.describe(name), "deleting") from err
+
+    def list_names(self) -> list[str]:
+        try:
+            with os.scandir(self.root) as entries:
+                return sorted(e.name for e in entries if e.is_file())
+        except FileNotFoundError:
+            return []
+        except OSError as err:
+            raise translate_os_error(err, self.url, "listing") from err
+
+    def root_exists(self) -> bool:
+        if self.root.is_dir():
+            return True
+        if self.root.exists():
+            raise NotACheckpointError(
+                f"{self.url} is a file, not a checkpoint directory", self.url
+            )
+        return False
+
+    def ensure_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as err:
+            raise NotACheckpointError(
+                f"cannot create checkpoint directory {self.url}: a file is in the way",
+                self.url,
+            ) from err
+        except OSError as err:
+            raise translate_os_error(err, self.url, "creating directory") from err

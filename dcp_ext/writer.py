@@ -1,0 +1,367 @@
+"""``CheckpointWriter``: DCP ``StorageWriter`` for local disk, shared POSIX and S3.
+
+Commit protocol (each step starts only after the previous one succeeded on
+every rank; DCP's collectives provide the ordering):
+
+1. (coordinator, ``prepare_global_plan``) refuse an existing committed
+   checkpoint unless ``overwrite=True``; with it, delete the old metadata
+   first so the old checkpoint stops being loadable before any byte of it is
+   replaced.
+2. (all ranks, ``write_data``) stream data files. Each file becomes visible
+   under its final name only when durable: fsync + rename on file systems, a
+   completed multipart upload on S3. A failing rank aborts its files.
+3. (coordinator, ``finish``) write torch's pickled ``.metadata`` (so torch's
+   readers can load the checkpoint), then ``dcp_ext.metadata.json``, the commit
+   marker. Then delete data files of an overwritten checkpoint that the new
+   one does not use, and temporary files left by crashed saves.
+
+A reader refuses a checkpoint without metadata, so a save that dies at any
+point leaves either the previous state or nothing loadable, never a mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ._metadata_format import (
+    METADATA_FILE,
+    TORCH_METADATA_FILE,
+    StoredItem,
+    encode_metadata,
+    to_torch_metadata,
+)
+from ._torch_format import DTYPES, tensor_bytes, torch_save_envelope
+from .config import IOConfig
+from .errors import CheckpointExistsError
+from .storage import Store, normalize_path, open_store
+from .storage.local import TMP_MARK
+
+__all__ = ["CheckpointWriter", "FileAssignment", "DATA_SUFFIX"]
+
+log = logging.getLogger("dcp_ext.writer")
+
+DATA_SUFFIX = ".distcp"
+# Rough upper bound of a torch.save envelope, used only for S3 part sizing.
+_ENVELOPE_ESTIMATE = 2048
+
+
+@dataclass(frozen=True)
+class FileAssignment:
+    """Which data file(s) a rank writes; the ``storage_data`` of its ``SavePlan``.
+
+    Attributes:
+        prefix: File names are ``{prefix}{k}.distcp`` for ``k`` in
+            ``range(files)``, or exactly ``names`` when given.
+        names: Explicit file names (used by layout-aware planners).
+    """
+
+    prefix: str
+    names: tuple[str, ...] = ()
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    numel = 1
+    for size in item.tensor_data.size:
+        numel *= int(size)
+    return numel * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+
+
+def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Spread items over ``bins`` files with balanced bytes, keeping plan order
+    within each file. Byte items are dealt round-robin."""
+    if bins <= 1:
+        return [list(items)]
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensor_items = sorted(
+        (i for i in items if i.type != WriteItemType.BYTE_IO), key=_item_nbytes, reverse=True
+    )
+    for n, item in enumerate(byte_items):
+        buckets[n % bins].append(item)
+    for item in tensor_items:
+        target = loads.index(min(loads))
+        buckets[target].append(item)
+        loads[target] += _item_nbytes(item)
+    return [b for b in buckets if b]
+
+
+class CheckpointWriter(StorageWriter):
+    """Stream a DCP checkpoint to a local directory, shared POSIX or S3/fsspec.
+
+    Use with stock DCP::
+
+        dcp.save(state_dict, storage_writer=CheckpointWriter("s3://bucket/ckpt/step100",
+                 storage_options={"endpoint_url": ...}))
+
+    Lifecycle (DCP calls these; which ranks call each):
+
+    0. (all ranks) ``reset(checkpoint_id)`` when ``checkpoint_id=`` is passed.
+    1. (all ranks) ``set_up_storage_writer``.
+    2. (all ranks) ``prepare_local_plan``: create the directory / check the bucket.
+    3. (coordinator) ``prepare_global_plan``: refuse or invalidate an existing
+       checkpoint, assign each rank its data file names.
+    4. (all ranks) ``write_data``: stream the rank's items; commit its files.
+    5. (coordinator) ``finish``: write metadata (the commit marker), clean up.
+
+    Args:
+        path: Checkpoint directory: local path, ``file://``, ``s3://`` or any
+            fsspec URL. ``dcp.save(checkpoint_id=...)`` replaces it.
+        storage_options: fsspec/s3fs options (S3 ``endpoint_url``, ``key``,
+            ``secret``, ``client_kwargs={'region_name': ...}``...).
+        overwrite: Replace a committed checkpoint at ``path``. Off by default:
+            a good checkpoint is never replaced by accident.
+        config: I/O tunables; the keyword arguments below override its fields.
+        part_size: Bytes per S3 part (default 16 MiB).
+        max_concurrency: Requests in flight per rank (default 8).
+        files_per_rank: Data files per rank, written by parallel threads.
+        fsync: fsync files before commit (local/POSIX; default True).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        config: IOConfig | None = None,
+        part_size: int | str | None = None,
+        max_concurrency: int | None = None,
+        files_per_rank: int | None = None,
+        fsync: bool | None = None,
+    ) -> None:
+        super().__init__()
+        overrides = {
+            "part_size": part_size,
+            "max_concurrency": max_concurrency,
+            "files_per_rank": files_per_rank,
+            "fsync": fsync,
+        }
+        if config is None:
+            config = IOConfig.from_env(**overrides)
+        else:
+            config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+        self.config = config
+        self.storage_options = dict(storage_options or {})
+        self.overwrite = overwrite
+        self.path = normalize_path(path)
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = True
+        self.rank = 0
+        self._store: Store | None = None
+        self._filesystem: Any = None
+        self._written: list[str] = []
+
+    # -- helpers ----------------------------------------------------------------
+    @property
+    def store(self) -> Store:
+        """The store of the current checkpoint path (created on first use)."""
+        if self._store is None:
+            self._store = open_store(self.path, self.config, self.storage_options, self._filesystem)
+            self._filesystem = getattr(self._store, "fs", None)
+        return self._store
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    # -- StorageWriter --------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """(all ranks) Start a new save, optionally at a new path."""
+        if checkpoint_id:
+            new_path = normalize_path(checkpoint_id)
+            if new_path != self.path:
+                self.path = new_path
+                self._store = None
+        self.save_id = uuid.uuid4().hex
+        self._written = []
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """(all ranks) Record this rank's role."""
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+        if kwargs.get("use_collectives", True) is False:
+            raise ValueError(
+                "CheckpointWriter needs use_collectives=True: its metadata is the "
+                "single commit marker written by the coordinator after all ranks "
+                "finished"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """(all ranks) Make sure the checkpoint location can be written."""
+        self.store.ensure_root()
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """(coordinator) Protect existing checkpoints; name every rank's files."""
+        store = self.store
+        existing = [n for n in (METADATA_FILE, TORCH_METADATA_FILE) if store.exists(n)]
+        if existing:
+            if not self.overwrite:
+                raise CheckpointExistsError(
+                    f"a checkpoint already exists at {store.url}; pass overwrite=True "
+                    f"to CheckpointWriter to replace it, or save to a new path",
+                    store.url,
+                )
+            # Un-commit the old checkpoint before touching any of its data.
+            for name in existing:
+                store.delete(name)
+        return [
+            plan
+            if isinstance(plan.storage_data, FileAssignment)
+            else dataclasses.replace(plan, storage_data=FileAssignment(prefix=f"__{rank}_"))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """(all ranks) Stream this rank's items into its data files and commit them."""
+        assignment = plan.storage_data
+        if not isinstance(assignment, FileAssignment):
+            raise ValueError(
+                "SavePlan.storage_data must be a dcp_ext FileAssignment; was the "
+                "plan prepared by CheckpointWriter.prepare_global_plan?"
+            )
+        store = self.store
+        if assignment.names:
+            buckets = split_items(list(plan.items), len(assignment.names))
+            names = list(assignment.names[: len(buckets)])
+        else:
+            buckets = split_items(list(plan.items), self.config.files_per_rank)
+            names = [f"{assignment.prefix}{k}{DATA_SUFFIX}" for k in range(len(buckets))]
+
+        results: list[WriteResult] = []
+        if len(buckets) == 1:
+            results = self._write_file(store, names[0], buckets[0], planner)
+        elif buckets:
+            with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcp_ext-write") as pool:
+                futures = [
+                    pool.submit(self._write_file, store, name, bucket, planner)
+                    for name, bucket in zip(names, buckets)
+                ]
+                errors = []
+                for future in futures:
+                    try:
+                        results.extend(future.result())
+                    except BaseException as err:  # collect, then raise the first
+                        errors.append(err)
+                if errors:
+                    raise errors[0]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_file(
+        self, store: Store, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        size_hint = sum(_item_nbytes(i) + _ENVELOPE_ESTIMATE for i in items)
+        results: list[WriteResult] = []
+        with store.open_writer(name, size_hint=size_hint) as writer:
+            for item in items:
+                start = writer.position
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    if not hasattr(data, "getbuffer"):
+                        raise TypeError(
+                            f"planner returned {type(data).__name__} for bytes item "
+                            f"{item.index.fqn!r}; expected io.BytesIO"
+                        )
+                    with data.getbuffer() as buffer:
+                        writer.write(buffer)
+                    length = writer.position - start
+                    stored = StoredItem(name, start, length, 0, length)
+                else:
+                    tensor = _tensor_for_storage(data, item)
+                    envelope = torch_save_envelope(tensor.dtype, tuple(tensor.shape))
+                    raw = tensor_bytes(tensor)
+                    writer.write(envelope.prefix)
+                    writer.write(raw)
+                    writer.write(envelope.suffix)
+                    stored = StoredItem(
+                        name, start, writer.position - start, len(envelope.prefix), raw.nbytes
+                    )
+                    del raw, tensor
+                results.append(WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored))
+            writer.commit()
+        self._written.append(name)
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """(coordinator) Write the metadata, which commits the checkpoint."""
+        store = self.store
+        items: dict[MetadataIndex, StoredItem] = {}
+        for rank_results in results:
+            for result in rank_results:
+                items[result.index] = result.storage_data
+        metadata.version = "1.0.0"
+        metadata.storage_data = items
+        if metadata.storage_meta is None:
+            metadata.storage_meta = self.storage_meta()
+        # Torch's pickle first, for torch's readers; our JSON last: the commit.
+        store.write_file(TORCH_METADATA_FILE, to_torch_metadata(metadata, items))
+        store.write_file(METADATA_FILE, encode_metadata(metadata, items, world_size=len(results)))
+        self._remove_leftovers({item.relative_path for item in items.values()})
+
+    def _remove_leftovers(self, keep: set[str]) -> None:
+        store = self.store
+        try:
+            for name in store.list_names():
+                stale_data = name.endswith(DATA_SUFFIX) and name not in keep
+                if stale_data or TMP_MARK in name:
+                    store.delete(name)
+        except Exception as err:  # the checkpoint is committed; this is tidying
+            log.warning("could not remove leftover files in %s: %s", store.url, err)
+
+    def remove_own_files(self) -> None:
+        """(each rank) Delete the data files this rank committed in the current
+        save. Used after a failed save so that no orphaned data remains."""
+        for name in self._written:
+            try:
+                self.store.delete(name)
+            except Exception as err:
+                log.warning("could not delete %s: %s", self.store.describe(name), err)
+        self._written = []
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _tensor_for_storage(data: Any, item: WriteItem) -> torch.Tensor:
+    """The item's tensor as contiguous CPU memory, with clear errors."""
+    fqn = item.index.fqn
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"planner returned {type(data).__name__} for tensor item {fqn!r}")
+    tensor = data.detach()
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise TypeError(f"tensor {fqn!r} has layout {tensor.layout}; only dense tensors are stored")
+    if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
+        raise TypeError(f"tensor {fqn!r} has dtype {tensor.dtype}, which dcp_ext cannot store")
+    if tensor.device.type != "cpu":
+        # Accelerator tensors: one synchronous copy per item keeps the path thin;
+        # dcp.async_save stages to CPU before this point anyway.
+        tensor = tensor.to("cpu")
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if item.tensor_data is not None and tuple(tensor.shape) != tuple(item.tensor_data.chunk.sizes):
+        raise ValueError(
+            f"tensor {fqn!r} has shape {tuple(tensor.shape)} but the save plan expects "
+            f"{tuple(item.tensor_data.chunk.sizes)}"
+        )
+    return tensor

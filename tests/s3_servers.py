@@ -68,6 +68,9 @@ MOTO_SECRET_KEY = "testing"
 #: The single identity configured in SeaweedFS (requests are signature-checked).
 SEAWEEDFS_ACCESS_KEY = "dcpExtTestAccessKey"
 SEAWEEDFS_SECRET_KEY = "dcpExtTestSecretKey0123456789"
+#: A second SeaweedFS identity that may only read and list.
+SEAWEEDFS_READONLY_ACCESS_KEY = "dcpExtReadOnlyKey"
+SEAWEEDFS_READONLY_SECRET_KEY = "dcpExtReadOnlySecret0123456789"
 
 MOTO_START_TIMEOUT = 30.0
 SEAWEEDFS_START_TIMEOUT = 60.0
@@ -336,7 +339,18 @@ def start_seaweedfs(data_dir: str | os.PathLike[str]) -> S3Server:
                             }
                         ],
                         "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                    }
+                    },
+                    {
+                        # For permission tests: may read and list, not write.
+                        "name": "dcp_ext_reader",
+                        "credentials": [
+                            {
+                                "accessKey": SEAWEEDFS_READONLY_ACCESS_KEY,
+                                "secretKey": SEAWEEDFS_READONLY_SECRET_KEY,
+                            }
+                        ],
+                        "actions": ["Read", "List"],
+                    },
                 ]
             },
             indent=2,

@@ -15,39 +15,11 @@ import pytest
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from s3_servers import S3Server, isolated_aws_env, start_moto, start_seaweedfs  # noqa: E402
+from s3_servers import S3Server, start_moto, start_seaweedfs  # noqa: E402
 
 MiB = 1024 * 1024
 PART_SIZE = 5 * MiB  # S3's minimum size for all but the last part
 LAST_PART_SIZE = 12345
-
-
-# --- fixtures (kept tiny so they can move to conftest.py as-is) ------------
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _isolated_aws_env() -> Iterator[None]:
-    with isolated_aws_env():
-        yield
-
-
-@pytest.fixture(scope="session")
-def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = start_moto(tmp_path_factory.mktemp("moto"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def seaweedfs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(params=["moto", "seaweedfs"])
-def s3_server(request: pytest.FixtureRequest) -> S3Server:
-    return request.getfixturevalue(f"{request.param}_server")
 
 
 # --- helpers ---------------------------------------------------------------

@@ -13,6 +13,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+# Holes up to this size are always read through (torch.save envelopes, padding).
+_SMALL_HOLE = 8 * 1024
+
 __all__ = ["Piece", "ReadRequest", "plan_requests", "box_runs", "run_starts", "BoxReadShape"]
 
 
@@ -63,7 +66,9 @@ def plan_requests(
     """Merge and split pieces into read requests.
 
     Pieces of one file whose gap is at most ``gap`` bytes are fetched by one
-    request, as long as the request stays within ``max_request`` bytes. A
+    request, as long as the request stays within ``max_request`` bytes and
+    the hole is no larger than the bytes wanted so far (holes under 8 KiB
+    always merge): merging saves requests without ever doubling the bytes. A
     piece larger than ``max_request`` becomes several direct requests, each
     reading into its own slice of the destination.
 
@@ -83,7 +88,7 @@ def plan_requests(
     requests: list[ReadRequest] = []
     for name in sorted(by_name):
         group: list[Piece] = []
-        start = end = 0
+        start = end = useful = 0
 
         def flush() -> None:
             if group:
@@ -100,14 +105,20 @@ def plan_requests(
                         ReadRequest(name, piece.offset + pos, dest.nbytes, ((0, dest),))
                     )
                 continue
+            hole = piece.offset - end
+            # A hole is read through only if it is small in absolute terms
+            # (gap) and relative to what the request delivers, so merging
+            # never more than doubles the bytes read (plus _SMALL_HOLE).
             if group and (
-                piece.offset - end > gap or max(end, piece.end) - start > max_request
+                hole > min(gap, max(_SMALL_HOLE, useful + piece.length))
+                or max(end, piece.end) - start > max_request
             ):
                 flush()
             if not group:
-                start, end = piece.offset, piece.end
+                start, end, useful = piece.offset, piece.end, 0
             else:
                 end = max(end, piece.end)
+            useful += piece.length
             group.append(piece)
         flush()
     return requests

@@ -1,0 +1,125 @@
+"""Run a function on every rank of a real gloo process group (spawned processes).
+
+``run_world(n, fn, *args)`` starts ``n`` processes, initializes a gloo process
+group in each (file-based rendezvous, so no port races), runs
+``fn(rank, world_size, *args)`` and returns the per-rank results. Every rank
+passes a barrier before ``destroy_process_group`` (a rank torn down early can
+die with SIGABRT and fail the run). If any rank raises, the others are killed
+and the first traceback is re-raised in the test process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class WorldError(AssertionError):
+    """A rank of a spawned world failed; the message holds its traceback."""
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        value = fn(rank, world_size, *args)
+        dist.barrier()
+        # Tensors in a multiprocessing queue travel as shared-memory handles
+        # that die with this process; send plain bytes instead.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        # Flush the queue's feeder thread, then leave without waiting for
+        # peers that may be stuck in a collective.
+        results.close()
+        results.join_thread()
+        os._exit(1)
+    try:
+        dist.destroy_process_group()
+    finally:
+        pass
+
+
+def _decode(payload: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
+def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+
+    Returns:
+        ``fn``'s return values, indexed by rank (they must pickle).
+
+    Raises:
+        WorldError: A rank raised, died or the world exceeded ``timeout`` s.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="dcp_ext_world_") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_entry, args=(rank, world_size, init_file, fn, args, results))
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        values: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(values) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead and results.empty():
+                        raise WorldError(
+                            f"rank process(es) died without a result: exit codes "
+                            f"{[p.exitcode for p in procs]}"
+                        ) from None
+                    if time.monotonic() > deadline:
+                        raise WorldError(f"world of {world_size} timed out after {timeout}s") from None
+                    continue
+                if not ok:
+                    raise WorldError(f"rank {rank} failed:\n{value}")
+                values[rank] = _decode(value)
+            for proc in procs:
+                proc.join(timeout=30)
+            codes = [p.exitcode for p in procs]
+            if any(code != 0 for code in codes):
+                raise WorldError(f"ranks exited with codes {codes} after finishing")
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(timeout=5)
+        return [values[r] for r in range(world_size)]

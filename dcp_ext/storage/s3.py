@@ -321,11 +321,19 @@ class _S3Writer(ObjectWriter):
                 self._wait_inflight()
                 self._raise_if_failed()
                 parts = [{"PartNumber": n, "ETag": self._parts[n]} for n in sorted(self._parts)]
-                store.call(
-                    "complete_multipart_upload", f"completing upload of {where}",
-                    Key=self._key, UploadId=self._upload_id,
-                    MultipartUpload={"Parts": parts},
-                )
+                try:
+                    store.call(
+                        "complete_multipart_upload", f"completing upload of {where}",
+                        Key=self._key, UploadId=self._upload_id,
+                        MultipartUpload={"Parts": parts},
+                    )
+                except CheckpointNotFoundError:
+                    # NoSuchUpload on a retry: the first attempt completed but
+                    # its response was lost. Accept it if the object is ours.
+                    head = store.call("head_object", f"checking {where}", Key=self._key)
+                    if int(head.get("ContentLength", -1)) != self.position:
+                        raise
+                    self._upload_id = None
         except BaseException:
             self.abort()
             raise
@@ -537,6 +545,16 @@ class S3Store(Store):
             return
         try:
             self.call("head_bucket", f"checking bucket of {self.url}")
+        except StoragePermissionError:
+            # HEAD responses carry no error code: 403 may mean bad credentials
+            # or only a missing s3:ListBucket. A GET says which; credentials
+            # errors are raised, a plain denial is left to the real operation.
+            try:
+                self.call("list_objects_v2", f"checking access to {self.url}", MaxKeys=1)
+            except CredentialsError:
+                raise
+            except StoragePermissionError:
+                pass
         except CheckpointNotFoundError as err:
             raise BucketNotFoundError(
                 f"bucket {self.bucket!r} does not exist (for {self.url}): check the "

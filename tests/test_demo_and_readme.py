@@ -1,0 +1,43 @@
+"""The README's commands and the demo they run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _block(name: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(rf"<!-- setup:{name} -->\n```\n(.+?)\n```\n<!-- /setup:{name} -->", text, re.S)
+    assert match, f"README.md lacks the setup:{name} block"
+    return match.group(1)
+
+
+def test_readme_opens_with_the_two_setup_commands() -> None:
+    text = (ROOT / "README.md").read_text()
+    first_blocks = re.findall(r"```\n(.+?)\n```", text, re.S)[:2]
+    assert first_blocks == [_block("demo"), _block("test")]
+    assert _block("demo").endswith("python -m dcp_ext demo")
+    assert _block("test").endswith("python -m pytest -q")
+    assert "setup:test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_demo_runs_and_checks_itself(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "dcp_ext", "demo", "--width", "512", "--depth", "4",
+         "--path", str(tmp_path / "ck")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "check: model and optimizer shards bit-exact" in out
+    assert "equal to the original weights" in out
+    assert re.search(r"save: +[\d.]+ s +\([\d.]+ GB/s", out)
+    assert out.rstrip().endswith("demo passed")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "dcp_ext.metadata.json"
+    ]

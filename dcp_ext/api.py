@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
@@ -32,7 +33,7 @@ __all__ = ["save", "load"]
 
 def _reraise(exc: CheckpointException, preferred: BaseException | None = None) -> None:
     inner = preferred or unwrap_checkpoint_exception(exc)
-    if isinstance(inner, Exception) and inner is not exc:
+    if isinstance(inner, Exception):
         raise inner
     raise exc
 
@@ -66,7 +67,10 @@ def save(
         path, storage_options=storage_options, overwrite=overwrite, config=config, **io_options
     )
     try:
-        return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+        metadata: Metadata = dcp_save(
+            state_dict, storage_writer=writer, planner=planner, process_group=process_group
+        )
+        return metadata
     except CheckpointException as exc:
         writer.remove_own_files()
         _reraise(exc)
@@ -89,7 +93,7 @@ def load(
     """
     reader = CheckpointReader(path, storage_options=storage_options, config=config, **io_options)
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+        dcp_load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
     except CheckpointException as exc:
         # DCP re-raises metadata failures as a bare AssertionError; the reader
         # kept the real one.

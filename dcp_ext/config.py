@@ -35,6 +35,8 @@ _KIB = 1024
 _MIB = 1024 * 1024
 _GIB = 1024 * 1024 * 1024
 
+_SIZE_FIELDS = frozenset({"part_size", "read_request_size", "coalesce_gap", "read_buffer_bytes"})
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -159,7 +161,7 @@ class IOConfig:
             raw = env.get(f"DCP_EXT_{field.name.upper()}")
             if raw is None:
                 continue
-            if field.name in ("part_size", "read_request_size", "coalesce_gap", "read_buffer_bytes"):
+            if field.name in _SIZE_FIELDS:
                 values[field.name] = parse_size(raw)
             elif field.name == "fsync":
                 values[field.name] = raw.strip().lower() not in ("0", "false", "no", "off")
@@ -168,10 +170,16 @@ class IOConfig:
         retry_attempts = env.get("DCP_EXT_RETRY_MAX_ATTEMPTS")
         if retry_attempts is not None:
             values["retry"] = RetryPolicy(max_attempts=int(retry_attempts))
+        return cls(**values).with_overrides(**overrides)  # type: ignore[arg-type]
+
+    def with_overrides(self, **overrides: object) -> IOConfig:
+        """A copy with the given fields replaced; ``None`` values are ignored
+        and sizes may be strings such as ``"32MiB"``."""
+        values: dict[str, object] = {}
         for key, value in overrides.items():
             if value is None:
                 continue
-            if key in ("part_size", "read_request_size", "coalesce_gap", "read_buffer_bytes"):
+            if key in _SIZE_FIELDS:
                 value = parse_size(value)  # type: ignore[arg-type]
             values[key] = value
-        return cls(**values)  # type: ignore[arg-type]
+        return dataclasses.replace(self, **values)  # type: ignore[arg-type]

@@ -50,7 +50,8 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, path: str, width: in
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from dcp_ext import CheckpointReader, CheckpointWriter
@@ -66,17 +67,17 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, path: str, width: in
 
         dist.barrier()
         start = time.perf_counter()
-        dcp.save(state, storage_writer=CheckpointWriter(path))
+        dcp_save(state, storage_writer=CheckpointWriter(path))
         dist.barrier()
         save_s = time.perf_counter() - start
 
         fresh, fresh_optim = _build(world_size, width, depth, seed=1)
         msd2, osd2 = get_state_dict(fresh, fresh_optim)
-        loaded = {"model": msd2, "optim": osd2}
+        loaded: dict[str, Any] = {"model": msd2, "optim": osd2}
         reader = CheckpointReader(path)
         dist.barrier()
         start = time.perf_counter()
-        dcp.load(loaded, storage_reader=reader)
+        dcp_load(loaded, storage_reader=reader)
         dist.barrier()
         load_s = time.perf_counter() - start
         set_state_dict(fresh, fresh_optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
@@ -111,6 +112,8 @@ def run(path: str | None, width: int, depth: int, world_size: int = 2) -> int:
     """Run the demo; returns a process exit code (0 when every check passed)."""
     warnings.filterwarnings("ignore")
     import torch
+
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     from dcp_ext import CheckpointReader
 
@@ -153,9 +156,7 @@ def run(path: str | None, width: int, depth: int, world_size: int = 2) -> int:
         plain, _ = _build(0, width, depth, seed=2)
         state = {"model": plain.state_dict()}
         start = time.perf_counter()
-        import torch.distributed.checkpoint as dcp
-
-        dcp.load(state, storage_reader=CheckpointReader(path))
+        dcp_load(state, storage_reader=CheckpointReader(path))
         one_s = time.perf_counter() - start
         reference, _ = _build(0, width, depth, seed=0)
         same = all(torch.equal(state["model"][k], v) for k, v in reference.state_dict().items())

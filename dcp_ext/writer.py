@@ -77,7 +77,7 @@ def _item_nbytes(item: WriteItem) -> int:
     numel = 1
     for size in item.tensor_data.size:
         numel *= int(size)
-    return numel * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+    return numel * item.tensor_data.properties.dtype.itemsize
 
 
 def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:

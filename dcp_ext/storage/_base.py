@@ -25,7 +25,7 @@ from .._ranges import ReadRequest
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError
 
-__all__ = ["Store", "ObjectWriter", "IOStats", "IOStatsSnapshot", "scatter"]
+__all__ = ["Store", "ObjectWriter", "IOStats", "IOStatsSnapshot", "scatter", "request_views"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,37 @@ def scatter(request: ReadRequest, data: memoryview) -> None:
     """Copy the bytes of a fetched, non-direct ``request`` into its targets."""
     for pos, dest in request.targets:
         dest[:] = data[pos : pos + dest.nbytes]
+
+
+def request_views(request: ReadRequest) -> list[memoryview] | None:
+    """Buffers that, filled in order, receive ``request``'s bytes: each target
+    where its bytes go, and one throwaway scratch buffer reused for every hole.
+
+    Returns ``None`` when targets overlap (the caller then reads into one
+    buffer and uses :func:`scatter`).
+    """
+    targets = sorted(request.targets, key=lambda t: t[0])
+    holes: list[tuple[int, int]] = []
+    pos = 0
+    for off, dest in targets:
+        if off < pos:
+            return None
+        if off > pos:
+            holes.append((len(holes), off - pos))
+        pos = off + dest.nbytes
+    if pos < request.length:
+        holes.append((len(holes), request.length - pos))
+    scratch = memoryview(bytearray(max((n for _, n in holes), default=0)))
+    views: list[memoryview] = []
+    pos = 0
+    for off, dest in targets:
+        if off > pos:
+            views.append(scratch[: off - pos])
+        views.append(dest)
+        pos = off + dest.nbytes
+    if pos < request.length:
+        views.append(scratch[: request.length - pos])
+    return views
 
 
 class ObjectWriter(ABC):

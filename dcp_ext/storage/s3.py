@@ -1,37 +1,35 @@
-"""S3 and S3-compatible object stores, through s3fs's aiobotocore client.
+"""S3 and S3-compatible object stores.
 
-s3fs supplies the session (credentials, endpoint, region) and its event loop;
-the data path calls the aiobotocore client directly so that dcp_ext controls
-parallelism, buffering and retries:
+* A data file is a multipart upload: ``part_size`` parts sent by up to
+  ``max_concurrency`` threads. Parts are copied once, from tensor memory into
+  one of ``max_concurrency + 1`` pooled buffers, and sent from there, so a
+  file being written holds at most ``part_size * (max_concurrency + 1)`` bytes.
+  A file smaller than one part is a single PUT. The object appears only when
+  the upload completes; a failed upload is aborted.
+* Reads are ranged GETs from up to ``max_concurrency`` threads, received
+  straight into destination memory.
+* Transient failures (throttling, 5xx, resets, timeouts, short bodies) are
+  retried with bounded exponential backoff (:mod:`dcp_ext._retry`).
 
-* a data file is a multipart upload of ``part_size`` parts with up to
-  ``max_concurrency`` parts in flight; memory is bounded by
-  ``part_size * (max_concurrency + 1)`` per file being written. A file smaller
-  than one part is a single PUT. The object appears only when the upload
-  completes; a failed upload is aborted.
-* reads are ranged GETs streamed straight into destination memory, up to
-  ``max_concurrency`` at once.
-* transient failures (throttling, 5xx, resets, timeouts, short bodies) are
-  retried with bounded exponential backoff by :mod:`dcp_ext._retry`; botocore's
-  own retries are turned off so the bound is ours and testable.
+How clients are built from ``storage_options`` and how errors are classified:
+:mod:`dcp_ext.storage._s3_client`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import math
+import queue
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from .._ranges import ReadRequest
-from .._retry import retry_async
+from .._retry import retry_sync
 from ..config import IOConfig
 from ..errors import (
     BucketNotFoundError,
-    CheckpointCorruptError,
     CheckpointNotFoundError,
     CredentialsError,
     DcpExtError,
@@ -39,167 +37,19 @@ from ..errors import (
     StoragePermissionError,
     TransientStorageError,
 )
-from ._base import ObjectWriter, Store, scatter
+from ._base import ObjectWriter, Store, request_views, scatter
+from ._s3_client import S3Connection, get_connection, is_transient_s3_error, translate_s3_error
 
-__all__ = ["S3Store", "make_s3_filesystem", "is_transient_s3_error", "translate_s3_error"]
+__all__ = ["S3Store", "split_s3_url"]
 
 log = logging.getLogger("dcp_ext.s3")
 
 T = TypeVar("T")
 
 _MAX_PARTS = 10_000
-
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "ThrottledException",
-        "RequestThrottled",
-        "RequestThrottledException",
-        "TooManyRequestsException",
-        "ProvisionedThroughputExceededException",
-        "RequestLimitExceeded",
-        "RequestTimeout",
-        "RequestTimeoutException",
-        "InternalError",
-        "ServiceUnavailable",
-        "ServiceUnavailableException",
-        "PriorThrottlingError",
-        "BadDigest",
-        "XAmzContentSHA256Mismatch",
-        "IncompleteBody",
-    }
-)
-_CREDENTIAL_CODES = frozenset(
-    {
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "ExpiredToken",
-        "InvalidToken",
-        "TokenRefreshRequired",
-        "AuthorizationHeaderMalformed",
-        "InvalidSecurity",
-        "MissingSecurityHeader",
-    }
-)
-_DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "Forbidden", "403"})
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchUpload"})
-
-
-def _client_error_parts(err: BaseException) -> tuple[str, int] | None:
-    response = getattr(err, "response", None)
-    if not isinstance(response, dict):
-        return None
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    return code, status
-
-
-def is_transient_s3_error(err: BaseException) -> bool:
-    """Whether an error from an S3 call is worth retrying."""
-    import aiohttp
-    import botocore.exceptions as bexc
-
-    if isinstance(err, TransientStorageError):
-        return True
-    if isinstance(err, DcpExtError):
-        return False
-    parts = _client_error_parts(err)
-    if parts is not None:
-        code, status = parts
-        return code in _TRANSIENT_CODES or status in (429, 500, 502, 503, 504)
-    transient_types: tuple[type[BaseException], ...] = (
-        bexc.ConnectionError,  # includes EndpointConnectionError, ConnectionClosedError
-        bexc.HTTPClientError,  # includes ReadTimeoutError, ConnectTimeoutError
-        bexc.IncompleteReadError,
-        bexc.ResponseStreamingError,
-        aiohttp.ClientPayloadError,
-        aiohttp.ClientConnectionError,
-        asyncio.TimeoutError,
-        ConnectionError,
-        TimeoutError,
-    )
-    if isinstance(err, transient_types):
-        return True
-    # aiobotocore raises botocore's ResponseParserError on a cut-off XML body.
-    return type(err).__name__ in ("ResponseParserError", "ServerDisconnectedError")
-
-
-def translate_s3_error(err: BaseException, where: str, doing: str) -> DcpExtError:
-    """Map a botocore/aiohttp error to the dcp_ext error a user can act on."""
-    import botocore.exceptions as bexc
-
-    if isinstance(err, DcpExtError):
-        return err
-    if isinstance(err, (bexc.NoCredentialsError, bexc.PartialCredentialsError)):
-        return CredentialsError(
-            f"no usable S3 credentials {doing} {where}: pass "
-            f"storage_options={{'key': ..., 'secret': ...}} (or 'profile'), or set "
-            f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE ({err})",
-            where,
-        )
-    parts = _client_error_parts(err)
-    if parts is not None:
-        code, status = parts
-        message = str(getattr(err, "response", {}).get("Error", {}).get("Message", "")) or str(err)
-        if code == "NoSuchBucket":
-            bucket = where.split("/")[2] if where.startswith("s3://") else where
-            return BucketNotFoundError(
-                f"bucket {bucket!r} does not exist ({doing} {where}): check the bucket "
-                f"name, the region and the endpoint_url in storage_options",
-                where,
-            )
-        if code in _CREDENTIAL_CODES:
-            return CredentialsError(
-                f"S3 rejected the credentials {doing} {where} ({code}: {message}): "
-                f"check the access key, secret and session token",
-                where,
-            )
-        if code in _DENIED_CODES or status == 403:
-            return StoragePermissionError(
-                f"access denied {doing} {where} ({code or status}: {message}): check "
-                f"the bucket policy and the IAM permissions of these credentials",
-                where,
-            )
-        if code in _NOT_FOUND_CODES or status == 404:
-            return CheckpointNotFoundError(f"{where} does not exist ({doing})", where)
-        if code == "InvalidRange" or status == 416:
-            return CheckpointCorruptError(
-                f"{where} is shorter than the checkpoint metadata says ({doing}); "
-                f"the object is truncated or was replaced",
-                where,
-            )
-        return StorageError(f"S3 error {doing} {where}: {code or status}: {message}", where)
-    if isinstance(err, bexc.EndpointConnectionError):
-        return StorageError(
-            f"cannot connect to the S3 endpoint {doing} {where} ({err}): check "
-            f"endpoint_url in storage_options and the network",
-            where,
-        )
-    return StorageError(f"S3 failure {doing} {where}: {type(err).__name__}: {err}", where)
-
-
-def make_s3_filesystem(storage_options: dict[str, Any] | None, config: IOConfig) -> Any:
-    """Create a private ``s3fs.S3FileSystem`` tuned for checkpoint traffic.
-
-    The instance bypasses fsspec's global cache (a cached instance would
-    share a connection pool sized for someone else), opens enough connections
-    for ``config.max_concurrency`` requests, and leaves retries to dcp_ext.
-    """
-    import s3fs
-
-    options = dict(storage_options or {})
-    options.setdefault("skip_instance_cache", True)
-    config_kwargs = dict(options.pop("config_kwargs", None) or {})
-    config_kwargs.setdefault("max_pool_connections", max(16, 2 * config.max_concurrency))
-    # One retry layer, ours: botocore's would multiply the bound.
-    config_kwargs.setdefault("retries", {"total_max_attempts": 1})
-    # Integrity is checked end to end by dcp_ext; per-request CRCs only cost CPU.
-    config_kwargs.setdefault("request_checksum_calculation", "when_required")
-    config_kwargs.setdefault("response_checksum_validation", "when_required")
-    options["config_kwargs"] = config_kwargs
-    return s3fs.S3FileSystem(**options)
+# Bytes per recv: large enough to amortize the call, small enough that the
+# HTTP stack's temporary buffer stays small.
+_RECV_CHUNK = 1 << 20
 
 
 def split_s3_url(url: str) -> tuple[str, str]:
@@ -212,152 +62,175 @@ def split_s3_url(url: str) -> tuple[str, str]:
 
 
 class _S3Writer(ObjectWriter):
-    """Multipart upload with a bounded number of parts in flight."""
+    """Multipart upload from pooled buffers with a bounded number of parts in flight."""
 
     def __init__(self, store: S3Store, name: str, size_hint: int | None) -> None:
         super().__init__(name)
         self._store = store
         self._key = store.key(name)
+        self._where = store.describe(name)
         part_size = store.config.part_size
         if size_hint:
             # S3 allows 10,000 parts; keep a margin for an imprecise hint.
             part_size = max(part_size, math.ceil(size_hint / (_MAX_PARTS * 0.9)))
         self._part_size = part_size
-        self._buffer = bytearray(part_size)
+        self._slots = store.config.max_concurrency
+        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        self._allocated = 0
+        self._buffer: bytearray | None = None
         self._filled = 0
         self._upload_id: str | None = None
-        self._parts: dict[int, str] = {}
-        self._inflight: list[concurrent.futures.Future[None]] = []
-        self._slots = threading.BoundedSemaphore(store.config.max_concurrency)
+        self._etags: dict[int, str] = {}
+        self._futures: list[Future[None]] = []
+        self._pool: ThreadPoolExecutor | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
         self._done = False
 
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise self._error
+    # -- buffers ------------------------------------------------------------
+    def _next_buffer(self) -> bytearray:
+        """A free part buffer; blocks while ``max_concurrency`` parts are in flight."""
+        if self._allocated <= self._slots:
+            try:
+                return self._free.get_nowait()
+            except queue.Empty:
+                self._allocated += 1
+                return bytearray(self._part_size)
+        return self._free.get()
 
     def write(self, data: memoryview | bytes | bytearray) -> None:
+        self._raise_if_failed()
         view = memoryview(data).cast("B")
         self.position += view.nbytes
         while view.nbytes:
+            if self._buffer is None:
+                self._buffer = self._next_buffer()
+                self._filled = 0
             take = min(view.nbytes, self._part_size - self._filled)
             self._buffer[self._filled : self._filled + take] = view[:take]
             self._filled += take
             view = view[take:]
             if self._filled == self._part_size:
-                self._send_part(self._take_buffer())
+                buffer, self._buffer = self._buffer, None
+                self._send(buffer, pooled=True)
 
-    def _take_buffer(self) -> bytearray:
-        body = self._buffer if self._filled == len(self._buffer) else self._buffer[: self._filled]
-        self._buffer = bytearray(self._part_size)
-        self._filled = 0
-        return body
+    def _raise_if_failed(self) -> None:
+        with self._lock:
+            error = self._error
+        if error is not None:
+            raise error
 
-    def _send_part(self, body: bytearray) -> None:
+    # -- parts --------------------------------------------------------------
+    def _send(self, body: bytearray, pooled: bool) -> None:
         self._raise_if_failed()
         store = self._store
         if self._upload_id is None:
             response = store.call(
-                "create_multipart_upload", f"starting upload of {store.describe(self.name)}",
-                Key=self._key,
+                "create_multipart_upload", "starting upload of", self._key,
+                **store.connection.write_params,
             )
             self._upload_id = response["UploadId"]
-        number = len(self._parts) + len(self._inflight) + 1
+            self._pool = ThreadPoolExecutor(self._slots, thread_name_prefix="dcp_ext-upload")
+        number = len(self._futures) + 1
         if number > _MAX_PARTS:
             raise StorageError(
-                f"{store.describe(self.name)} needs more than {_MAX_PARTS} parts; "
-                f"raise IOConfig.part_size",
-                store.describe(self.name),
+                f"{self._where} needs more than {_MAX_PARTS} parts; raise IOConfig.part_size",
+                self._where,
             )
-        self._slots.acquire()
-        future = asyncio.run_coroutine_threadsafe(
-            self._upload_part(number, body), store.loop
-        )
-        future.add_done_callback(self._part_done)
-        self._inflight.append(future)
+        assert self._pool is not None
+        self._futures.append(self._pool.submit(self._upload_part, number, body, pooled))
 
-    async def _upload_part(self, number: int, body: bytearray) -> None:
+    def _upload_part(self, number: int, body: bytearray, pooled: bool) -> None:
         store = self._store
-
-        async def attempt() -> None:
-            client = await store.client()
-            response = await client.upload_part(
-                Bucket=store.bucket, Key=self._key, UploadId=self._upload_id,
-                PartNumber=number, Body=body,
+        try:
+            response = store.call(
+                "upload_part", f"uploading part {number} of", self._key,
+                UploadId=self._upload_id, PartNumber=number, Body=body,
+                **store.connection.read_params,
             )
-            self._parts[number] = response["ETag"]
+            with self._lock:
+                self._etags[number] = response["ETag"]
+        except BaseException as err:
+            with self._lock:
+                if self._error is None:
+                    self._error = err
+            raise
+        finally:
+            if pooled:
+                self._free.put(body)
 
-        await store.retrying(attempt, f"uploading part {number} of {store.describe(self.name)}")
-
-    def _part_done(self, future: concurrent.futures.Future[None]) -> None:
-        self._slots.release()
-        if future.cancelled():
-            return
-        err = future.exception()
-        if err is not None and self._error is None:
-            self._error = translate_s3_error(
-                err, self._store.describe(self.name), "uploading"
-            )
-            self._error.__cause__ = err
-
-    def _wait_inflight(self) -> None:
-        for future in self._inflight:
+    def _wait(self) -> None:
+        for future in self._futures:
             try:
                 future.result()
             except BaseException:
-                pass  # recorded by _part_done
-        self._inflight.clear()
+                pass  # the first error is kept in self._error
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def commit(self) -> None:
         store = self._store
-        where = store.describe(self.name)
         try:
             if self._upload_id is None:
-                body = bytes(self._buffer[: self._filled])
-                store.call("put_object", f"writing {where}", Key=self._key, Body=body)
+                body = bytes(memoryview(self._buffer)[: self._filled]) if self._buffer else b""
+                store.call("put_object", "writing", self._key, Body=body, **store.connection.write_params)
             else:
                 if self._filled:
-                    self._send_part(self._take_buffer())
-                self._wait_inflight()
+                    # The short last part goes in a buffer of its own size.
+                    last = bytearray(memoryview(self._buffer)[: self._filled])  # type: ignore[arg-type]
+                    self._send(last, pooled=False)
+                self._wait()
                 self._raise_if_failed()
-                parts = [{"PartNumber": n, "ETag": self._parts[n]} for n in sorted(self._parts)]
-                try:
-                    store.call(
-                        "complete_multipart_upload", f"completing upload of {where}",
-                        Key=self._key, UploadId=self._upload_id,
-                        MultipartUpload={"Parts": parts},
-                    )
-                except CheckpointNotFoundError:
-                    # NoSuchUpload on a retry: the first attempt completed but
-                    # its response was lost. Accept it if the object is ours.
-                    head = store.call("head_object", f"checking {where}", Key=self._key)
-                    if int(head.get("ContentLength", -1)) != self.position:
-                        raise
-                    self._upload_id = None
+                self._complete()
         except BaseException:
             self.abort()
             raise
         self._done = True
-        self._buffer = bytearray()
+        self._release_buffers()
         store.stats.add_written_file(self.position)
+
+    def _complete(self) -> None:
+        store = self._store
+        parts = [{"PartNumber": n, "ETag": self._etags[n]} for n in sorted(self._etags)]
+        try:
+            store.call(
+                "complete_multipart_upload", "completing upload of", self._key,
+                UploadId=self._upload_id, MultipartUpload={"Parts": parts},
+                **store.connection.list_params,
+            )
+        except CheckpointNotFoundError:
+            # NoSuchUpload on a retry: the first attempt completed but its
+            # response was lost. Accept it if the object is ours.
+            head = store.call("head_object", "checking", self._key, **store.connection.read_params)
+            if int(head.get("ContentLength", -1)) != self.position:
+                raise
+        self._upload_id = None
+
+    def _release_buffers(self) -> None:
+        self._buffer = None
+        while True:
+            try:
+                self._free.get_nowait()
+            except queue.Empty:
+                break
 
     def abort(self) -> None:
         if self._done:
             return
         self._done = True
-        for future in self._inflight:
+        for future in self._futures:
             future.cancel()
-        self._wait_inflight()
-        self._buffer = bytearray()
+        self._wait()
+        self._release_buffers()
         if self._upload_id is not None:
             try:
                 self._store.call(
-                    "abort_multipart_upload", f"aborting upload of {self._store.describe(self.name)}",
-                    Key=self._key, UploadId=self._upload_id,
+                    "abort_multipart_upload", "aborting upload of", self._key,
+                    UploadId=self._upload_id, **self._store.connection.list_params,
                 )
             except Exception as err:  # the upload stays invisible either way
-                log.warning("could not abort multipart upload of %s: %s",
-                            self._store.describe(self.name), err)
+                log.warning("could not abort multipart upload of %s: %s", self._where, err)
 
 
 class S3Store(Store):
@@ -366,10 +239,8 @@ class S3Store(Store):
     Args:
         url: ``s3://bucket/prefix``.
         config: I/O tunables.
-        storage_options: s3fs options (``key``, ``secret``, ``token``,
-            ``profile``, ``endpoint_url``, ``client_kwargs={'region_name': ...}``,
-            ``config_kwargs``...). Ignored when ``filesystem`` is given.
-        filesystem: An ``s3fs.S3FileSystem`` to reuse (connections are kept).
+        storage_options: s3fs-style options (see :mod:`dcp_ext.storage._s3_client`).
+        filesystem: Unused (connections are cached per options).
     """
 
     kind = "s3"
@@ -383,57 +254,52 @@ class S3Store(Store):
     ) -> None:
         super().__init__(url, config)
         self.bucket, self.prefix = split_s3_url(url)
-        self.fs = filesystem if filesystem is not None else make_s3_filesystem(storage_options, config)
-        self.loop: asyncio.AbstractEventLoop = self.fs.loop
+        self.connection: S3Connection = get_connection(storage_options, config)
         self._bucket_checked = False
 
-    # -- plumbing -----------------------------------------------------------
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
-
-    async def client(self) -> Any:
-        await self.fs.set_session()
-        return await self.fs.get_s3(self.bucket)
-
-    async def retrying(self, fn: Callable[[], Awaitable[T]], what: str) -> T:
-        return await retry_async(fn, self.config.retry, is_transient_s3_error, what)
-
-    def _sync(self, coro_fn: Callable[[], Awaitable[T]]) -> T:
-        import fsspec.asyn
-
-        return fsspec.asyn.sync(self.loop, coro_fn)  # type: ignore[no-any-return]
-
-    def call(self, method: str, what: str, **kwargs: Any) -> Any:
-        """Call one S3 API method with retries; errors become dcp_ext errors."""
-
-        async def attempt() -> Any:
-            client = await self.client()
-            return await getattr(client, method)(Bucket=self.bucket, **kwargs)
-
-        try:
-            return self._sync(lambda: self.retrying(attempt, what))
-        except DcpExtError:
-            raise
-        except Exception as err:
-            where = f"s3://{self.bucket}/{kwargs['Key']}" if "Key" in kwargs else self.url
-            raise translate_s3_error(err, where, what.split(" ", 1)[0]) from err
 
     def describe(self, name: str = "") -> str:
         base = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         return f"{base}/{name}" if name else base
 
+    def call(self, method: str, doing: str, key: str | None = None, **kwargs: Any) -> Any:
+        """One S3 API call with retries; errors become dcp_ext errors.
+
+        Args:
+            method: botocore client method name.
+            doing: What is being done, for messages ("writing", ...).
+            key: Object key, if the call has one.
+        """
+        where = f"s3://{self.bucket}/{key}" if key is not None else self.url
+        if key is not None:
+            kwargs["Key"] = key
+        function: Callable[..., Any] = getattr(self.connection.client, method)
+        try:
+            return retry_sync(
+                lambda: function(Bucket=self.bucket, **kwargs),
+                self.config.retry, is_transient_s3_error, f"{doing} {where}",
+            )
+        except DcpExtError:
+            raise
+        except Exception as err:
+            raise translate_s3_error(err, where, doing) from err
+
     # -- small files --------------------------------------------------------
     def read_file(self, name: str) -> bytes:
+        key = self.key(name)
+
+        def attempt() -> bytes:
+            response = self.connection.client.get_object(
+                Bucket=self.bucket, Key=key, **self.connection.read_params
+            )
+            with response["Body"] as body:
+                return bytes(body.read())
+
         where = self.describe(name)
-
-        async def attempt() -> bytes:
-            client = await self.client()
-            response = await client.get_object(Bucket=self.bucket, Key=self.key(name))
-            async with response["Body"] as body:
-                return bytes(await body.read())
-
         try:
-            return self._sync(lambda: self.retrying(attempt, f"reading {where}"))
+            return retry_sync(attempt, self.config.retry, is_transient_s3_error, f"reading {where}")
         except DcpExtError:
             raise
         except Exception as err:
@@ -441,88 +307,93 @@ class S3Store(Store):
 
     def write_file(self, name: str, data: bytes) -> None:
         # A single PUT is atomic: readers see the old object or the new one.
-        self.call("put_object", f"writing {self.describe(name)}", Key=self.key(name), Body=bytes(data))
+        self.call("put_object", "writing", self.key(name), Body=bytes(data), **self.connection.write_params)
 
     # -- data files -----------------------------------------------------------
     def open_writer(self, name: str, size_hint: int | None = None) -> ObjectWriter:
         return _S3Writer(self, name, size_hint)
 
-    async def _fetch(self, request: ReadRequest) -> None:
+    def _fetch(self, request: ReadRequest) -> None:
         where = self.describe(request.name)
         last = request.offset + request.length - 1
-        if request.is_direct:
-            dest = request.targets[0][1]
-        else:
-            dest = memoryview(bytearray(request.length))
+        views = request_views(request)
+        buffer = None
+        if views is None:  # overlapping targets: read once, then copy
+            buffer = memoryview(bytearray(request.length))
+            views = [buffer]
 
-        async def attempt() -> None:
-            client = await self.client()
-            response = await client.get_object(
+        def attempt() -> None:
+            response = self.connection.client.get_object(
                 Bucket=self.bucket, Key=self.key(request.name),
-                Range=f"bytes={request.offset}-{last}",
+                Range=f"bytes={request.offset}-{last}", **self.connection.read_params,
             )
-            length = int(response.get("ContentLength", -1))
-            async with response["Body"] as body:
+            body = response["Body"]
+            finished = False
+            try:
+                length = int(response.get("ContentLength", -1))
                 if length != request.length:
-                    # The object ends inside the range (a complete, short body):
-                    # truncated file, not a network fault. A server that ignores
-                    # Range would send more; refuse that too.
+                    # The object ends inside the range (a complete but short
+                    # body): a truncated file, not a network fault.
                     raise self._short_read(request.name, request.offset, request.length, max(length, 0))
                 done = 0
-                while done < request.length:
-                    n = await body.readinto(dest[done:])
-                    if n == 0:
-                        raise TransientStorageError(
-                            f"connection closed after {done} of {request.length} bytes of {where}",
-                            where,
-                        )
-                    done += n
+                for view in views:
+                    pos = 0
+                    while pos < view.nbytes:
+                        n = body.readinto(view[pos : pos + _RECV_CHUNK])
+                        if not n:
+                            raise TransientStorageError(
+                                f"connection closed after {done + pos} of {request.length} "
+                                f"bytes of {where}",
+                                where,
+                            )
+                        pos += n
+                    done += pos
+                # Reading the (empty) end lets urllib3 return the connection
+                # to its pool instead of closing it.
+                if body.read(1):
+                    raise TransientStorageError(f"{where}: the server sent more than the range", where)
+                finished = True
+            finally:
+                if not finished:
+                    body.close()  # unknown connection state: discard it
 
         try:
-            await self.retrying(attempt, f"reading {where} [{request.offset}, {last + 1})")
+            retry_sync(attempt, self.config.retry, is_transient_s3_error,
+                       f"reading {where} [{request.offset}, {last + 1})")
         except DcpExtError:
             raise
         except Exception as err:
             raise translate_s3_error(err, where, "reading") from err
-        if not request.is_direct:
-            scatter(request, dest)
+        if buffer is not None:
+            scatter(request, buffer)
         self.stats.add_read(request.name, request.length)
 
     def _run_reads(self, requests: Sequence[ReadRequest]) -> None:
-        async def run_all() -> None:
-            slots = asyncio.Semaphore(self.config.max_concurrency)
-
-            async def one(request: ReadRequest) -> None:
-                async with slots:
-                    await self._fetch(request)
-
-            tasks = [asyncio.ensure_future(one(r)) for r in requests]
+        workers = min(self.config.max_concurrency, len(requests))
+        if workers <= 1:
+            for request in requests:
+                self._fetch(request)
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix="dcp_ext-get") as pool:
+            futures = [pool.submit(self._fetch, r) for r in requests]
             try:
-                done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                for future in futures:
+                    future.result()
             except BaseException:
-                for task in tasks:
-                    task.cancel()
+                for future in futures:
+                    future.cancel()
                 raise
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending)
-            for task in tasks:
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
-
-        self._sync(run_all)
 
     # -- namespace ------------------------------------------------------------
     def exists(self, name: str) -> bool:
         try:
-            self.call("head_object", f"checking {self.describe(name)}", Key=self.key(name))
+            self.call("head_object", "checking", self.key(name), **self.connection.read_params)
         except CheckpointNotFoundError:
             return False
         return True
 
     def delete(self, name: str) -> None:
-        self.call("delete_object", f"deleting {self.describe(name)}", Key=self.key(name))
+        self.call("delete_object", "deleting", self.key(name), **self.connection.list_params)
 
     def list_names(self) -> list[str]:
         self._check_bucket()
@@ -530,10 +401,10 @@ class S3Store(Store):
         names: list[str] = []
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"Prefix": prefix, "Delimiter": "/"}
+            kwargs: dict[str, Any] = {"Prefix": prefix, "Delimiter": "/", **self.connection.list_params}
             if token:
                 kwargs["ContinuationToken"] = token
-            response = self.call("list_objects_v2", f"listing {self.url}", **kwargs)
+            response = self.call("list_objects_v2", "listing", **kwargs)
             names.extend(item["Key"][len(prefix):] for item in response.get("Contents", []))
             if not response.get("IsTruncated"):
                 break
@@ -544,13 +415,13 @@ class S3Store(Store):
         if self._bucket_checked:
             return
         try:
-            self.call("head_bucket", f"checking bucket of {self.url}")
+            self.call("head_bucket", "checking bucket of")
         except StoragePermissionError:
             # HEAD responses carry no error code: 403 may mean bad credentials
             # or only a missing s3:ListBucket. A GET says which; credentials
             # errors are raised, a plain denial is left to the real operation.
             try:
-                self.call("list_objects_v2", f"checking access to {self.url}", MaxKeys=1)
+                self.call("list_objects_v2", "checking access to", MaxKeys=1, **self.connection.list_params)
             except CredentialsError:
                 raise
             except StoragePermissionError:
@@ -566,7 +437,7 @@ class S3Store(Store):
     def root_exists(self) -> bool:
         self._check_bucket()
         prefix = f"{self.prefix}/" if self.prefix else ""
-        response = self.call("list_objects_v2", f"listing {self.url}", Prefix=prefix, MaxKeys=1)
+        response = self.call("list_objects_v2", "listing", Prefix=prefix, MaxKeys=1, **self.connection.list_params)
         return bool(response.get("KeyCount", len(response.get("Contents", []))))
 
     def ensure_root(self) -> None:

@@ -87,40 +87,48 @@ def plan_requests(
 
     requests: list[ReadRequest] = []
     for name in sorted(by_name):
-        group: list[Piece] = []
-        start = end = useful = 0
+        requests.extend(_merge_file(name, by_name[name], gap, max_request))
+    return requests
 
-        def flush() -> None:
+
+def _group_request(name: str, group: list[Piece]) -> ReadRequest:
+    start = group[0].offset
+    end = max(p.end for p in group)
+    return ReadRequest(name, start, end - start, tuple((p.offset - start, p.dest) for p in group))
+
+
+def _merge_file(name: str, pieces: list[Piece], gap: int, max_request: int) -> list[ReadRequest]:
+    """:func:`plan_requests` for the pieces of one file."""
+    requests: list[ReadRequest] = []
+    group: list[Piece] = []
+    start = end = useful = 0
+    for piece in sorted(pieces, key=lambda p: p.offset):
+        if piece.length > max_request:
             if group:
-                targets = tuple((p.offset - start, p.dest) for p in group)
-                requests.append(ReadRequest(name, start, end - start, targets))
-                group.clear()
-
-        for piece in sorted(by_name[name], key=lambda p: p.offset):
-            if piece.length > max_request:
-                flush()
-                for pos in range(0, piece.length, max_request):
-                    dest = piece.dest[pos : pos + max_request]
-                    requests.append(
-                        ReadRequest(name, piece.offset + pos, dest.nbytes, ((0, dest),))
-                    )
-                continue
-            hole = piece.offset - end
-            # A hole is read through only if it is small in absolute terms
-            # (gap) and relative to what the request delivers, so merging
-            # never more than doubles the bytes read (plus _SMALL_HOLE).
-            if group and (
-                hole > min(gap, max(_SMALL_HOLE, useful + piece.length))
-                or max(end, piece.end) - start > max_request
-            ):
-                flush()
-            if not group:
-                start, end, useful = piece.offset, piece.end, 0
-            else:
-                end = max(end, piece.end)
-            useful += piece.length
-            group.append(piece)
-        flush()
+                requests.append(_group_request(name, group))
+                group = []
+            for pos in range(0, piece.length, max_request):
+                dest = piece.dest[pos : pos + max_request]
+                requests.append(ReadRequest(name, piece.offset + pos, dest.nbytes, ((0, dest),)))
+            continue
+        hole = piece.offset - end
+        # A hole is read through only if it is small in absolute terms (gap)
+        # and relative to what the request delivers, so merging never more
+        # than doubles the bytes read (plus _SMALL_HOLE).
+        if group and (
+            hole > min(gap, max(_SMALL_HOLE, useful + piece.length))
+            or max(end, piece.end) - start > max_request
+        ):
+            requests.append(_group_request(name, group))
+            group = []
+        if not group:
+            start, end, useful = piece.offset, piece.end, 0
+        else:
+            end = max(end, piece.end)
+        useful += piece.length
+        group.append(piece)
+    if group:
+        requests.append(_group_request(name, group))
     return requests
 
 

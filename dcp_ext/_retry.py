@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
 from .config import RetryPolicy
 
-__all__ = ["retry_sync", "retry_async", "backoff_delay"]
+__all__ = ["retry_sync", "backoff_delay"]
 
 log = logging.getLogger("dcp_ext.retry")
 
@@ -44,27 +43,4 @@ def retry_sync(
                 what, attempt, policy.max_attempts, delay, err,
             )
             time.sleep(delay)
-            attempt += 1
-
-
-async def retry_async(
-    fn: Callable[[], Awaitable[T]],
-    policy: RetryPolicy,
-    is_transient: Callable[[BaseException], bool],
-    what: str,
-) -> T:
-    """Async twin of :func:`retry_sync`; ``fn`` makes a fresh awaitable per attempt."""
-    attempt = 1
-    while True:
-        try:
-            return await fn()
-        except Exception as err:
-            if attempt >= policy.max_attempts or not is_transient(err):
-                raise
-            delay = backoff_delay(policy, attempt)
-            log.warning(
-                "%s: transient error (attempt %d/%d), retrying in %.2fs: %s",
-                what, attempt, policy.max_attempts, delay, err,
-            )
-            await asyncio.sleep(delay)
             attempt += 1

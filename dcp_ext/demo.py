@@ -83,7 +83,7 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, path: str, width: in
         set_state_dict(fresh, fresh_optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
 
         mismatches = 0
-        for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
             if not torch.equal(a.to_local(), b.to_local()):
                 mismatches += 1
         for key, state_a in optim.state_dict()["state"].items():

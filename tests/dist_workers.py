@@ -216,7 +216,7 @@ def four_rank_suite(
     for path, options in ((f"{root}/fsdp4", None), (f"{s3_root}/fsdp4", s3_options)):
         dcp.save(state, storage_writer=CheckpointWriter(path, storage_options=options, files_per_rank=2))
         reader = CheckpointReader(path, storage_options=options)
-        got = load_into_fresh(world_size, lambda sd: dcp.load(sd, storage_reader=reader))
+        got = load_into_fresh(world_size, lambda sd, r=reader: dcp.load(sd, storage_reader=r))
         assert_same_leaves(expected, got, path)
         report.setdefault("bytes_read", []).append(reader.store.stats.snapshot().bytes_read)
         report.setdefault("total_bytes", []).append(data_bytes(path, options))

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_ext
 from conftest import BUCKET
-from dcp_ext import CheckpointReader, CheckpointWriter, IOConfig, RetryPolicy
+from dcp_ext import CheckpointReader, IOConfig, RetryPolicy
 from fault_proxy import FaultPlan, FaultProxy
 from s3_servers import SEAWEEDFS_READONLY_ACCESS_KEY, SEAWEEDFS_READONLY_SECRET_KEY
 

@@ -6,7 +6,6 @@ import dataclasses
 import os
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest

@@ -52,12 +52,12 @@ def open_store(
         config: I/O tunables.
         storage_options: Options for the fsspec/s3fs file system (S3 endpoint,
             credentials, region ...). Not used for local paths.
-        filesystem: A file system instance from an earlier store of the same
-            kind, to reuse its connections.
+        filesystem: An fsspec file system from an earlier store of the same
+            URL kind, to reuse (S3 clients are cached per options instead).
     """
     text = normalize_path(path)
     if text.startswith(_S3_SCHEMES):
-        return S3Store("s3://" + text.split("://", 1)[1], config, storage_options, filesystem)
+        return S3Store("s3://" + text.split("://", 1)[1], config, storage_options)
     if "://" in text:
         return FsspecStore(text, config, storage_options, filesystem)
     return LocalStore(text, config)

@@ -252,6 +252,3 @@ class Store(ABC):
     @abstractmethod
     def ensure_root(self) -> None:
         """Create the root if the storage has directories; check it is writable."""
-
-    def close(self) -> None:
-        """Release connections and threads held by this store."""

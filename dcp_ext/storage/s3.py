@@ -23,7 +23,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from .._ranges import ReadRequest
 from .._retry import retry_sync
@@ -44,7 +44,6 @@ __all__ = ["S3Store", "split_s3_url"]
 
 log = logging.getLogger("dcp_ext.s3")
 
-T = TypeVar("T")
 
 _MAX_PARTS = 10_000
 # Bytes per recv: large enough to amortize the call, small enough that the
@@ -240,7 +239,6 @@ class S3Store(Store):
         url: ``s3://bucket/prefix``.
         config: I/O tunables.
         storage_options: s3fs-style options (see :mod:`dcp_ext.storage._s3_client`).
-        filesystem: Unused (connections are cached per options).
     """
 
     kind = "s3"
@@ -250,7 +248,6 @@ class S3Store(Store):
         url: str,
         config: IOConfig,
         storage_options: dict[str, Any] | None = None,
-        filesystem: Any = None,
     ) -> None:
         super().__init__(url, config)
         self.bucket, self.prefix = split_s3_url(url)

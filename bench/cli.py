@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Save/load throughput of dcp_ext vs torch DCP storage, s3torchconnector and raw "
             "I/O ceilings, on local disk and on S3 (a SeaweedFS server started here), with 1 "
             "and 2 ranks (real gloo worlds), plus peak RSS of a dcp_ext save. Systems are "
-            "interleaved (A B C A B C ...) and the median of --repeats rounds is reported."
+            "interleaved (every round runs each system once, in a seeded shuffled order after the "
+            "first round) and the median of --repeats rounds is reported."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=32, help="decoder layers of the synthetic model (11 tensors each)")
     p.add_argument("--ranks", type=_int_list, default=[1, 2], help="world sizes to run, comma separated")
     p.add_argument("--repeats", type=int, default=3, help="rounds per system; the median is reported")
+    p.add_argument("--local-repeats", type=int, default=None,
+                   help="rounds for the local systems (default: --repeats; local rounds are cheap, noise is high)")
     p.add_argument("--only", choices=["local", "s3"], help="run only local-disk or only S3 systems")
     p.add_argument("--quick", action="store_true",
                    help="fast iteration: --size 256MiB, 1 round, torch thread counts 1,4 (explicit flags win)")
@@ -69,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(dcp_ext's default part_size and read_request_size are 16 MiB)")
     p.add_argument("--raw-chunk", default="64MiB", help="bytes per write()/readinto() call of the raw local ceiling")
     p.add_argument("--torch-threads", type=_int_list, default=None,
-                   help="FileSystemWriter thread_count values to try (default 1,2,4,8; --quick: 1,4)")
+                   help="FileSystemWriter thread_count values to try [default 1,2,4,8; --quick: 1,4]")
     p.add_argument("--no-s3torchconnector", action="store_true", help="skip s3torchconnector")
     p.add_argument("--local-loads", type=_modes, default=["warm", "cold"],
                    help="local load modes, comma separated: warm = straight after the save (page cache hot), "
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     size = _parse_size(args.size)
     kinds = [args.only] if args.only else ["local", "s3"]
     full_default = not args.quick and not args.only and size == 1 << 30 and args.ranks == [1, 2] \
-        and args.repeats >= 3
+        and args.repeats >= 3 and args.local_repeats in (None, args.repeats)
     if args.readme is None:
         args.readme = full_default
 
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "size": size,
         "layers": args.layers,
         "ranks": args.ranks,
-        "repeats": args.repeats,
+        "repeats": {"local": args.local_repeats or args.repeats, "s3": args.repeats},
         "kinds": kinds,
         "s3_concurrency": args.s3_concurrency,
         "part_size": _parse_size(args.part_size),
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             base = {"size": size, "layers": args.layers, "workdir": str(workdir), "s3": s3info, "params": params}
             for world in args.ranks:
                 print(f"throughput, {world} rank(s): {', '.join(kinds)}", flush=True)
-                cfg = dict(base, kinds=kinds, repeats=args.repeats, load_modes=load_modes,
+                cfg = dict(base, kinds=kinds, repeats=params["repeats"], load_modes=load_modes,
                            verify=not args.no_verify, warmup=not args.no_warmup)
                 result["worlds"][str(world)] = run_world(world, "bench.worker:throughput", cfg, args.world_timeout)
                 result["tensors"] = result["worlds"][str(world)]["tensors"]

@@ -147,6 +147,15 @@ def _fmt_cell(row: dict[str, Any], key: str) -> str:
     return f"{cell['gbps']:.3f} <sub>({cell['min_gbps']:.2f}–{cell['max_gbps']:.2f})</sub>"
 
 
+def _rounds(repeats: Any) -> str:
+    if isinstance(repeats, dict):
+        values = set(repeats.values())
+        if len(values) == 1:
+            return str(values.pop())
+        return ", ".join(f"{k} {v}" for k, v in repeats.items())
+    return str(repeats)
+
+
 def _mib(n: int) -> str:
     return f"{n / MiB:,.0f}"
 
@@ -170,7 +179,7 @@ def render(result: dict[str, Any]) -> str:
     add("")
     add(f"State dict: {result['tensors']} bf16 tensors + 2 non-tensor values, "
         f"{result['total_bytes'] / 2**30:.3f} GiB ({result['total_bytes'] / 1e9:.3f} GB); "
-        f"{p['repeats']} rounds, median shown with (min–max) below it; GB/s = 10⁹ bytes of tensor data per second "
+        f"rounds: {_rounds(p['repeats'])}, system order shuffled (seeded) every round after the first; median shown with (min–max); GB/s = 10⁹ bytes of tensor data per second "
         f"(same byte count for every system). Loads: {cold}. Run time {result['runtime_seconds'] / 60:.1f} min. "
         f"Load average at start/end: {m.get('loadavg_start')} / {result.get('loadavg_end')}.")
     add("")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import random
 import resource
 import sys
 import threading
@@ -88,6 +89,9 @@ def _run_once(
     dist.barrier()
     if ctx.rank == 0:
         system.cleanup(ctx, loc)
+        # Let the deletes (and ext4's online discard) settle before the next
+        # timed operation, so they are not billed to whoever comes next.
+        os.sync()
     dist.barrier()
     return times
 
@@ -136,12 +140,21 @@ def throughput(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for kind in kinds:
         modes = list(cfg["load_modes"][kind])
         samples[kind] = {s.name: {op: [] for op in ["save", *(f"load_{m}" for m in modes)]} for s in systems[kind]}
-        for rep in range(int(cfg["repeats"])):
-            for system in systems[kind]:
+        repeats = int(cfg["repeats"][kind])
+        for rep in range(repeats):
+            # Every round runs every system once (interleaved). Round 0 keeps the
+            # listed order; later rounds use a seeded shuffle (the same on every
+            # rank), so no system always runs first, last or right after the
+            # same other system: periodic disturbances (host flushes, other
+            # tenants) then spread as noise over all systems instead of biasing one.
+            order = list(systems[kind])
+            if rep:
+                random.Random(1000 + rep).shuffle(order)
+            for system in order:
                 times = _run_once(ctx, system, state, dest, f"w{world}-r{rep}", modes, bool(cfg["verify"]))
                 for op, secs in times.items():
                     samples[kind][system.name][op].append(secs)
-                _log(rank, f"  [{world} rank(s) {kind} {rep + 1}/{cfg['repeats']}] {system.name:<17}" + "".join(
+                _log(rank, f"  [{world} rank(s) {kind} {rep + 1}/{repeats}] {system.name:<17}" + "".join(
                     f"  {op} {secs:6.2f}s {total / secs / 1e9:6.3f} GB/s" for op, secs in times.items()))
     return {
         "samples": samples,

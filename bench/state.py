@@ -143,7 +143,7 @@ def local_nbytes(state: dict[str, Any]) -> int:
 
 def reset_dest(dest: dict[str, Any]) -> None:
     """Zero the destination tensors and non-tensor values before a load."""
-    for key, value in dest.items():
+    for value in dest.values():
         if isinstance(value, torch.Tensor):
             local_tensor(value).zero_()
     dest["step"] = -1

@@ -33,6 +33,7 @@ def _entry(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    collective_timeout: float,
 ) -> None:
     import warnings
 
@@ -46,7 +47,7 @@ def _entry(
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=120),
+            timeout=datetime.timedelta(seconds=collective_timeout),
         )
         value = fn(rank, world_size, *args)
         dist.barrier()
@@ -74,8 +75,16 @@ def _decode(payload: bytes) -> Any:
     return torch.load(io.BytesIO(payload), weights_only=False)
 
 
-def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0) -> list[Any]:
+def run_world(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 240.0,
+    collective_timeout: float = 120.0,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+
+    Also used by ``bench/`` (which puts ``tests/`` on ``sys.path``).
 
     Returns:
         ``fn``'s return values, indexed by rank (they must pickle).
@@ -88,7 +97,10 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     with tempfile.TemporaryDirectory(prefix="dcp_ext_world_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_entry, args=(rank, world_size, init_file, fn, args, results))
+            ctx.Process(
+                target=_entry,
+                args=(rank, world_size, init_file, fn, args, results, collective_timeout),
+            )
             for rank in range(world_size)
         ]
         for proc in procs:

@@ -14,6 +14,7 @@ from ..config import IOConfig
 from ._base import IOStats, IOStatsSnapshot, ObjectWriter, Store
 from .fsspec_store import FsspecStore
 from .local import LocalStore
+from ._s3_client import clear_client_cache
 from .s3 import S3Store
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "FsspecStore",
     "open_store",
     "normalize_path",
+    "clear_client_cache",
 ]
 
 _S3_SCHEMES = ("s3://", "s3a://", "s3n://")

@@ -24,7 +24,12 @@ from .errors import (
     TransientStorageError,
     unwrap_checkpoint_exception,
 )
+from .layout import InvalidTagError
+from .manager import CheckpointManager, ResumeResult, resume_from_checkpoint, save_checkpoint
+from .planners import LayoutLoadPlanner, LayoutSavePlanner
+from .pretrained import FullCheckpointReader, PretrainedLoadReport, load_pretrained
 from .reader import CheckpointReader
+from .user_content import UnsafeUserContentError
 from .writer import CheckpointWriter
 
 __version__ = "0.1.0"
@@ -34,6 +39,17 @@ __all__ = [
     "CheckpointReader",
     "save",
     "load",
+    "CheckpointManager",
+    "ResumeResult",
+    "save_checkpoint",
+    "resume_from_checkpoint",
+    "load_pretrained",
+    "PretrainedLoadReport",
+    "FullCheckpointReader",
+    "LayoutSavePlanner",
+    "LayoutLoadPlanner",
+    "InvalidTagError",
+    "UnsafeUserContentError",
     "IOConfig",
     "RetryPolicy",
     "DcpExtError",

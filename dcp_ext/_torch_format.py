@@ -41,6 +41,7 @@ class _HoleRecorder:
         self.segments: list[bytearray] = [bytearray()]
         self.position = 0
         self.holes = 0
+        self.hole_sizes: list[int] = []
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
@@ -53,6 +54,7 @@ class _HoleRecorder:
             raise OSError("envelope recorder only skips forward")
         self.position += offset
         self.holes += 1
+        self.hole_sizes.append(offset)
         self.segments.append(bytearray())
         return self.position
 

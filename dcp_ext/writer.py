@@ -27,6 +27,7 @@ import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from ._metadata_format import (
 from ._torch_format import DTYPES, tensor_bytes, torch_save_envelope
 from .config import IOConfig
 from .errors import CheckpointExistsError
+from .layout import kind_of
 from .storage import Store, normalize_path, open_store
 from .storage.local import TMP_MARK
 
@@ -63,12 +65,28 @@ class FileAssignment:
 
     Attributes:
         prefix: File names are ``{prefix}{k}.distcp`` for ``k`` in
-            ``range(files)``, or exactly ``names`` when given.
-        names: Explicit file names (used by layout-aware planners).
+            ``range(files_per_rank)``, unless ``by_kind`` is given.
+        by_kind: ``(kind, file name)`` pairs: each item goes to the file of
+            its kind (:func:`dcp_ext.layout.kind_of`), one file per kind
+            (used by :class:`dcp_ext.planners.LayoutSavePlanner`).
     """
 
-    prefix: str
-    names: tuple[str, ...] = ()
+    prefix: str = ""
+    by_kind: tuple[tuple[str, str], ...] = ()
+
+    def files_for(self, items: list[WriteItem], files_per_rank: int) -> list[tuple[str, list[WriteItem]]]:
+        """``(file name, items)`` for each file this rank writes."""
+        if self.by_kind:
+            names = dict(self.by_kind)
+            groups: dict[str, list[WriteItem]] = {}
+            for item in items:
+                kind = kind_of(item.index.fqn)
+                if kind not in names:
+                    raise ValueError(f"no data file assigned for {item.index.fqn!r} (kind {kind!r})")
+                groups.setdefault(names[kind], []).append(item)
+            return list(groups.items())
+        buckets = split_items(items, files_per_rank)
+        return [(f"{self.prefix}{k}{DATA_SUFFIX}", bucket) for k, bucket in enumerate(buckets)]
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -130,6 +148,9 @@ class CheckpointWriter(StorageWriter):
         max_concurrency: Requests in flight per rank (default 8).
         files_per_rank: Data files per rank, written by parallel threads.
         fsync: fsync files before commit (local/POSIX; default True).
+        before_commit: Called by the coordinator with the checkpoint's store
+            after all data is durable and before the metadata commits it;
+            extra files written there are part of the checkpoint.
     """
 
     def __init__(
@@ -143,6 +164,7 @@ class CheckpointWriter(StorageWriter):
         max_concurrency: int | None = None,
         files_per_rank: int | None = None,
         fsync: bool | None = None,
+        before_commit: Callable[[Store], None] | None = None,
     ) -> None:
         super().__init__()
         overrides = {
@@ -162,6 +184,7 @@ class CheckpointWriter(StorageWriter):
         self._store: Store | None = None
         self._filesystem: Any = None
         self._written: list[str] = []
+        self.before_commit = before_commit
 
     # -- helpers ----------------------------------------------------------------
     @property
@@ -233,21 +256,16 @@ class CheckpointWriter(StorageWriter):
                 "plan prepared by CheckpointWriter.prepare_global_plan?"
             )
         store = self.store
-        if assignment.names:
-            buckets = split_items(list(plan.items), len(assignment.names))
-            names = list(assignment.names[: len(buckets)])
-        else:
-            buckets = split_items(list(plan.items), self.config.files_per_rank)
-            names = [f"{assignment.prefix}{k}{DATA_SUFFIX}" for k in range(len(buckets))]
+        files = assignment.files_for(list(plan.items), self.config.files_per_rank)
 
         results: list[WriteResult] = []
-        if len(buckets) == 1:
-            results = self._write_file(store, names[0], buckets[0], planner)
-        elif buckets:
-            with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcp_ext-write") as pool:
+        if len(files) == 1:
+            results = self._write_file(store, files[0][0], files[0][1], planner)
+        elif files:
+            with ThreadPoolExecutor(len(files), thread_name_prefix="dcp_ext-write") as pool:
                 pending = [
                     pool.submit(self._write_file, store, name, bucket, planner)
-                    for name, bucket in zip(names, buckets)
+                    for name, bucket in files
                 ]
                 errors = []
                 for task in pending:
@@ -307,6 +325,8 @@ class CheckpointWriter(StorageWriter):
         metadata.storage_data = items
         if metadata.storage_meta is None:
             metadata.storage_meta = self.storage_meta()
+        if self.before_commit is not None:
+            self.before_commit(store)
         # Torch's pickle first, for torch's readers; our JSON last: the commit.
         store.write_file(TORCH_METADATA_FILE, to_torch_metadata(metadata, items))
         store.write_file(METADATA_FILE, encode_metadata(metadata, items, world_size=len(results)))

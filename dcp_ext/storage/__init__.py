@@ -27,6 +27,7 @@ __all__ = [
     "FsspecStore",
     "open_store",
     "normalize_path",
+    "join_path",
     "clear_client_cache",
 ]
 
@@ -39,6 +40,14 @@ def normalize_path(path: str | os.PathLike[str]) -> str:
     if text.startswith("file://"):
         text = text[len("file://"):]
     return text
+
+
+def join_path(root: str | os.PathLike[str], name: str) -> str:
+    """``root`` + ``/`` + ``name`` for paths and URLs alike."""
+    text = normalize_path(root)
+    if "://" in text:
+        return f"{text.rstrip('/')}/{name}"
+    return os.path.join(text, name)
 
 
 def open_store(

@@ -241,6 +241,35 @@ class Store(ABC):
         """Names of the files directly under the root (empty if it has none)."""
 
     @abstractmethod
+    def list_dirs(self) -> list[str]:
+        """Names of the directories (prefixes) directly under the root."""
+
+    def read_head(self, name: str, length: int) -> bytes:
+        """Up to ``length`` bytes from the start of file ``name``."""
+        data = self.read_range(name, 0, length, allow_short=True)
+        return data
+
+    def read_range(self, name: str, offset: int, length: int, allow_short: bool = False) -> bytes:
+        """``length`` bytes at ``offset`` of file ``name`` (fewer at EOF if ``allow_short``)."""
+        if allow_short:
+            return self._read_range_short(name, offset, length)
+        buffer = bytearray(length)
+        if length:
+            self.read([ReadRequest(name, offset, length, ((0, memoryview(buffer)),))])
+        return bytes(buffer)
+
+    def _read_range_short(self, name: str, offset: int, length: int) -> bytes:
+        data = self.read_file(name)
+        return data[offset : offset + length]
+
+    def size(self, name: str) -> int:
+        """Size of file ``name`` in bytes."""
+        return len(self.read_file(name))
+
+    def remove_root_if_empty(self) -> None:
+        """Remove the root directory if nothing is left in it (no-op on object stores)."""
+
+    @abstractmethod
     def root_exists(self) -> bool:
         """Whether the root exists (a directory, or any object under a prefix).
 

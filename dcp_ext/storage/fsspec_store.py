@@ -238,6 +238,38 @@ class FsspecStore(Store):
                 names.append(rel)
         return sorted(names)
 
+    def list_dirs(self) -> list[str]:
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as err:
+            raise _translate(err, self.url, "listing") from err
+        names = []
+        for entry in entries:
+            if entry.get("type") == "directory":
+                names.append(entry["name"].rstrip("/").rsplit("/", 1)[-1])
+        return sorted(n for n in names if n)
+
+    def _read_range_short(self, name: str, offset: int, length: int) -> bytes:
+        try:
+            return bytes(self.fs.cat_file(self.path(name), start=offset, end=offset + length))
+        except Exception as err:
+            raise _translate(err, self.describe(name), "reading") from err
+
+    def size(self, name: str) -> int:
+        try:
+            return int(self.fs.size(self.path(name)))
+        except Exception as err:
+            raise _translate(err, self.describe(name), "checking") from err
+
+    def remove_root_if_empty(self) -> None:
+        try:
+            if not self.fs.ls(self.root):
+                self.fs.rmdir(self.root)
+        except Exception:
+            pass
+
     def root_exists(self) -> bool:
         try:
             if self.fs.isfile(self.root):

@@ -353,6 +353,37 @@ class LocalStore(Store):
         except OSError as err:
             raise translate_os_error(err, self.url, "listing") from err
 
+    def list_dirs(self) -> list[str]:
+        try:
+            with os.scandir(self.root) as entries:
+                return sorted(e.name for e in entries if e.is_dir())
+        except FileNotFoundError:
+            return []
+        except OSError as err:
+            raise translate_os_error(err, self.url, "listing") from err
+
+    def _read_range_short(self, name: str, offset: int, length: int) -> bytes:
+        try:
+            fd = os.open(self._path(name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                return os.pread(fd, length, offset)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise translate_os_error(err, self.describe(name), "reading") from err
+
+    def size(self, name: str) -> int:
+        try:
+            return self._path(name).stat().st_size
+        except OSError as err:
+            raise translate_os_error(err, self.describe(name), "checking") from err
+
+    def remove_root_if_empty(self) -> None:
+        try:
+            self.root.rmdir()
+        except OSError:
+            pass  # not empty (foreign files stay), or already gone
+
     def root_exists(self) -> bool:
         if self.root.is_dir():
             return True

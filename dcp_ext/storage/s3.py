@@ -30,6 +30,7 @@ from .._retry import retry_sync
 from ..config import IOConfig
 from ..errors import (
     BucketNotFoundError,
+    CheckpointCorruptError,
     CheckpointNotFoundError,
     CredentialsError,
     DcpExtError,
@@ -407,6 +408,46 @@ class S3Store(Store):
                 break
             token = response.get("NextContinuationToken")
         return sorted(n for n in names if n)
+
+    def list_dirs(self) -> list[str]:
+        self._check_bucket()
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        dirs: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": prefix, "Delimiter": "/", **self.connection.list_params}
+            if token:
+                kwargs["ContinuationToken"] = token
+            response = self.call("list_objects_v2", "listing", **kwargs)
+            dirs.extend(p["Prefix"][len(prefix):].rstrip("/") for p in response.get("CommonPrefixes", []))
+            if not response.get("IsTruncated"):
+                break
+            token = response.get("NextContinuationToken")
+        return sorted(d for d in dirs if d)
+
+    def _read_range_short(self, name: str, offset: int, length: int) -> bytes:
+        key = self.key(name)
+
+        def attempt() -> bytes:
+            response = self.connection.client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}",
+                **self.connection.read_params,
+            )
+            with response["Body"] as body:
+                return bytes(body.read())
+
+        where = self.describe(name)
+        try:
+            return retry_sync(attempt, self.config.retry, is_transient_s3_error, f"reading {where}")
+        except Exception as err:
+            translated = translate_s3_error(err, where, "reading")
+            if isinstance(translated, CheckpointCorruptError):  # 416: range starts past the end
+                return b""
+            raise translated from err
+
+    def size(self, name: str) -> int:
+        head = self.call("head_object", "checking", self.key(name), **self.connection.read_params)
+        return int(head["ContentLength"])
 
     def _check_bucket(self) -> None:
         if self._bucket_checked:

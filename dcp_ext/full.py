@@ -1,0 +1,153 @@
+"""Full checkpoints: the whole model in one file, written tensor by tensor.
+
+Two formats, both streamed so that no process ever holds the whole model:
+
+* ``"safetensors"`` (default): the header is built from dtypes and shapes
+  alone, written first, then each tensor's bytes follow in order.
+* ``"torch"``: a ``torch.save`` archive of a ``{name: tensor}`` dict. Its
+  archive structure comes from ``torch.save`` run under
+  ``torch.serialization.skip_data`` on unallocated tensors of the same dtypes
+  and shapes; each tensor's bytes are then streamed into its record.
+
+Sources are pluggable: a callable returns each tensor in full when asked, so
+the same writer serves a sharded model (one all-gather per tensor), a model
+in memory, and a partial checkpoint on storage (one ranged read per tensor).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.serialization import skip_data
+
+from ._safetensors import build_header
+from ._torch_format import _HoleRecorder, tensor_bytes
+from .storage import ObjectWriter
+
+__all__ = ["FULL_FORMATS", "FullTensorSpec", "full_layout", "stream_full_checkpoint"]
+
+FULL_FORMATS = ("safetensors", "torch")
+
+
+@dataclass(frozen=True)
+class FullTensorSpec:
+    """A tensor of a full checkpoint: its key, dtype and full shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FullLayout:
+    """How to stream a full checkpoint.
+
+    Attributes:
+        segments: Bytes to write before each tensor, and (last) after all.
+        order: Index into the specs of the tensor that follows each segment.
+    """
+
+    segments: tuple[bytes, ...]
+    order: tuple[int, ...]
+
+    def total_bytes(self, specs: Sequence[FullTensorSpec]) -> int:
+        return sum(len(s) for s in self.segments) + sum(specs[i].nbytes for i in self.order)
+
+
+def full_layout(specs: Sequence[FullTensorSpec], fmt: str, metadata: dict[str, str] | None = None) -> FullLayout:
+    """Compute the byte layout of a full checkpoint in format ``fmt``.
+
+    Raises:
+        ValueError: Unknown format.
+        TypeError: A dtype the format cannot hold.
+    """
+    if fmt == "safetensors":
+        header, _ = build_header(((s.name, s.dtype, s.shape) for s in specs), metadata=metadata)
+        order = tuple(range(len(specs)))
+        return FullLayout((header,) + (b"",) * len(specs), order)
+    if fmt == "torch":
+        return _torch_layout(specs)
+    raise ValueError(f"unknown full checkpoint format {fmt!r}; use one of {FULL_FORMATS}")
+
+
+def _torch_layout(specs: Sequence[FullTensorSpec]) -> FullLayout:
+    # Unallocated templates: torch.empty does not touch its pages.
+    templates = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in specs}
+    recorder = _HoleRecorder()
+    with skip_data():
+        torch.save(templates, recorder)  # type: ignore[arg-type]
+    del templates
+    order: list[int] = []
+    # Each data region follows the zip local header of its record,
+    # ``archive/data/<key>``; keys number the storages in pickling order,
+    # which is the dict's order. Checked against the region sizes.
+    for index, segment in enumerate(recorder.segments[:-1]):
+        data = bytes(segment)
+        at = data.rfind(b"PK\x03\x04")
+        if at < 0:
+            raise RuntimeError("unexpected torch.save layout: no record header before a data region")
+        (name_length,) = struct.unpack("<H", data[at + 26 : at + 28])
+        record = data[at + 30 : at + 30 + name_length].decode()
+        key = int(record.rsplit("/", 1)[1])
+        if key >= len(specs) or specs[key].nbytes != recorder.hole_sizes[index]:
+            raise RuntimeError(f"unexpected torch.save layout: record {record} does not match tensor order")
+        order.append(key)
+    expected = [i for i, s in enumerate(specs) if s.nbytes > 0]
+    if sorted(order) != expected:
+        raise RuntimeError("unexpected torch.save layout: data records do not cover every tensor")
+    return FullLayout(tuple(bytes(s) for s in recorder.segments), tuple(order))
+
+
+def stream_full_checkpoint(
+    writer: ObjectWriter | None,
+    specs: Sequence[FullTensorSpec],
+    layout: FullLayout,
+    fetch: Callable[[int], torch.Tensor | None],
+) -> None:
+    """Write a full checkpoint, one tensor in memory at a time.
+
+    Args:
+        writer: Where the bytes go; ``None`` on ranks that only take part in
+            the collectives ``fetch`` may run (they must call this too, with
+            the same specs and layout, so that every rank fetches in the same
+            order).
+        specs: The tensors, in file order.
+        layout: From :func:`full_layout`.
+        fetch: Returns tensor ``i`` in full (any device); called once per
+            tensor with data, in the layout's order. May return ``None`` on
+            ranks without a writer.
+
+    Raises:
+        ValueError: A fetched tensor's dtype or shape differs from its spec.
+    """
+    if writer is not None:
+        writer.write(layout.segments[0])
+    for segment, index in zip(layout.segments[1:], layout.order):
+        tensor = fetch(index)
+        if writer is not None:
+            spec = specs[index]
+            if tensor is None or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+                got = None if tensor is None else (tensor.dtype, tuple(tensor.shape))
+                raise ValueError(f"tensor {spec.name!r}: expected {spec.dtype} {spec.shape}, got {got}")
+            data = tensor.detach().to("cpu").contiguous()
+            writer.write(tensor_bytes(data))
+            del data
+            writer.write(segment)
+        del tensor
+    # Tensors with no data (0 elements) have no region: nothing to fetch.
+
+
+def spec_of(name: str, value: Any) -> FullTensorSpec:
+    """The full-tensor spec of a tensor or DTensor (whose ``shape`` is global)."""
+    return FullTensorSpec(name, value.dtype, tuple(int(s) for s in value.shape))

@@ -1,0 +1,264 @@
+"""The SageMaker-style checkpoint layout under a root path: names and rules.
+
+::
+
+    ROOT/
+    ├── newest                       # text: the newest committed tag
+    ├── step100_partial/             # one DCP checkpoint per tag
+    │   ├── model_rank0.distcp       # model shards written by rank 0
+    │   ├── optimizer_rank0.distcp   # optimizer shards written by rank 0
+    │   ├── ...                      # (model_dp0_tp1.distcp with a named DeviceMesh)
+    │   ├── user_content.safetensors # the user's extra state (no pickle)
+    │   ├── partition.json           # who wrote what, readable without torch
+    │   ├── .metadata                # torch's metadata (interop)
+    │   └── dcp_ext.metadata.json    # dcp_ext's metadata: the commit marker
+    ├── step100                      # full checkpoint: the whole model in one file
+    └── user_content_step100         # its user content
+
+Pure functions and values only: tag validation, file names, the partition
+record and the retention rule. I/O lives in :mod:`dcp_ext.manager`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CheckpointCorruptError, DcpExtError
+
+__all__ = [
+    "InvalidTagError",
+    "validate_tag",
+    "partial_dir",
+    "user_content_name",
+    "NEWEST_FILE",
+    "PARTITION_FILE",
+    "USER_CONTENT_FILE",
+    "PARTIAL_SUFFIX",
+    "KIND_FILES",
+    "kind_of",
+    "MeshInfo",
+    "RankPartition",
+    "Partition",
+    "position_name",
+    "TagInfo",
+    "select_for_deletion",
+]
+
+NEWEST_FILE = "newest"
+PARTITION_FILE = "partition.json"
+USER_CONTENT_FILE = "user_content.safetensors"
+PARTIAL_SUFFIX = "_partial"
+
+#: State-dict top-level key -> data file stem. Anything else goes to "state".
+KIND_FILES = {"model": "model", "optimizer": "optimizer"}
+_OTHER_KIND = "state"
+
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
+_RESERVED = {NEWEST_FILE}
+
+
+class InvalidTagError(DcpExtError, ValueError):
+    """A checkpoint tag that could name something outside its place."""
+
+
+def validate_tag(tag: object) -> str:
+    """Return ``tag`` if it is a safe checkpoint tag.
+
+    Tags are 1-200 characters of letters, digits and ``. _ - = +``, starting
+    with a letter or digit: no ``/``, no ``..``, no hidden names, nothing that
+    could escape the root or collide with ``newest`` / ``user_content_*``.
+
+    Raises:
+        InvalidTagError: Otherwise, with the reason.
+    """
+    if not isinstance(tag, str):
+        raise InvalidTagError(f"checkpoint tag must be a string, got {type(tag).__name__}")
+    if not _TAG.match(tag) or ".." in tag:
+        raise InvalidTagError(
+            f"invalid checkpoint tag {tag!r}: use 1-200 letters, digits and . _ - = +, "
+            f"starting with a letter or digit (no '/', '..' or hidden names)"
+        )
+    if tag in _RESERVED or tag.startswith("user_content_") or tag.endswith(PARTIAL_SUFFIX):
+        raise InvalidTagError(
+            f"invalid checkpoint tag {tag!r}: it collides with a name the layout uses "
+            f"({NEWEST_FILE!r}, 'user_content_*', '*{PARTIAL_SUFFIX}')"
+        )
+    return tag
+
+
+def partial_dir(tag: str) -> str:
+    """``step100`` -> ``step100_partial``."""
+    return f"{validate_tag(tag)}{PARTIAL_SUFFIX}"
+
+
+def user_content_name(tag: str) -> str:
+    """The user-content file of a full checkpoint: ``user_content_{tag}``."""
+    return f"user_content_{validate_tag(tag)}"
+
+
+def kind_of(fqn: str) -> str:
+    """The data-file stem for a flattened state-dict key (``model.w`` -> ``model``)."""
+    return KIND_FILES.get(fqn.split(".", 1)[0], _OTHER_KIND)
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """A device mesh as plain data.
+
+    Attributes:
+        shape: Mesh shape.
+        dim_names: One name per dimension (``("dp", "tp")``).
+        ranks: Global rank at each position, row-major (``len == prod(shape)``).
+    """
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        size = 1
+        for s in self.shape:
+            size *= s
+        if len(self.ranks) != size or len(self.dim_names) != len(self.shape):
+            raise ValueError(f"inconsistent mesh: shape {self.shape}, names {self.dim_names}, {len(self.ranks)} ranks")
+
+    @classmethod
+    def from_device_mesh(cls, mesh: Any) -> MeshInfo:
+        """Read a ``torch.distributed.DeviceMesh`` (its dimension names are required)."""
+        names = getattr(mesh, "mesh_dim_names", None)
+        if not names:
+            raise ValueError(
+                "the DeviceMesh has no dimension names; create it with "
+                "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+            )
+        tensor = mesh.mesh
+        return cls(tuple(int(s) for s in tensor.shape), tuple(names), tuple(int(r) for r in tensor.flatten().tolist()))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{"dp": 0, "tp": 1}`` for ``rank``."""
+        try:
+            index = self.ranks.index(rank)
+        except ValueError:
+            raise ValueError(f"rank {rank} is not part of the device mesh {self.shape}") from None
+        coords: dict[str, int] = {}
+        for name, size in zip(reversed(self.dim_names), reversed(self.shape)):
+            coords[name] = index % size
+            index //= size
+        return {name: coords[name] for name in self.dim_names}
+
+
+def position_name(rank: int, mesh: MeshInfo | None) -> str:
+    """``rank3``, or ``pp0_tp1_dp0`` from the mesh coordinates of ``rank``."""
+    if mesh is None:
+        return f"rank{rank}"
+    return "_".join(f"{name}{index}" for name, index in mesh.coords(rank).items())
+
+
+@dataclass(frozen=True)
+class RankPartition:
+    """What one rank wrote.
+
+    Attributes:
+        rank: Rank in the saving process group.
+        coords: Mesh coordinates (empty without a mesh).
+        files: Data files the rank wrote.
+        keys: State-dict keys the rank wrote, per kind (``model``, ``optimizer``, ``state``).
+    """
+
+    rank: int
+    coords: dict[str, int]
+    files: tuple[str, ...]
+    keys: dict[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The partition decision of a save, stored as ``partition.json``."""
+
+    world_size: int
+    mesh: MeshInfo | None
+    ranks: tuple[RankPartition, ...] = field(default=())
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "format": "dcp_ext.partition",
+                "version": 1,
+                "world_size": self.world_size,
+                "mesh": None
+                if self.mesh is None
+                else {
+                    "shape": list(self.mesh.shape),
+                    "dim_names": list(self.mesh.dim_names),
+                    "ranks": list(self.mesh.ranks),
+                },
+                "ranks": [
+                    {"rank": r.rank, "coords": r.coords, "files": list(r.files),
+                     "keys": {k: list(v) for k, v in r.keys.items()}}
+                    for r in self.ranks
+                ],
+            },
+            indent=1,
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Partition:
+        """Parse ``partition.json``.
+
+        Raises:
+            CheckpointCorruptError: It is not a valid partition record.
+        """
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != "dcp_ext.partition" or doc.get("version") != 1:
+                raise ValueError("not a dcp_ext partition record (version 1)")
+            mesh_doc = doc["mesh"]
+            mesh = None if mesh_doc is None else MeshInfo(
+                tuple(int(s) for s in mesh_doc["shape"]),
+                tuple(str(n) for n in mesh_doc["dim_names"]),
+                tuple(int(r) for r in mesh_doc["ranks"]),
+            )
+            ranks = tuple(
+                RankPartition(
+                    int(r["rank"]), {str(k): int(v) for k, v in r["coords"].items()},
+                    tuple(str(f) for f in r["files"]),
+                    {str(k): tuple(str(x) for x in v) for k, v in r["keys"].items()},
+                )
+                for r in doc["ranks"]
+            )
+            return cls(int(doc["world_size"]), mesh, ranks)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointCorruptError(f"{where} is not a valid partition record: {err}", where) from err
+
+
+@dataclass(frozen=True)
+class TagInfo:
+    """A committed partial checkpoint and when it committed (seconds since the epoch)."""
+
+    tag: str
+    committed_at: float
+
+
+def select_for_deletion(
+    committed: Sequence[TagInfo], keep: int, protect: Collection[str] = ()
+) -> list[str]:
+    """Retention: which committed tags to delete so that the ``keep`` newest remain.
+
+    Tags in ``protect`` (the ``newest`` target, a checkpoint being loaded) are
+    never selected. Newest means latest commit time (ties broken by tag).
+
+    Returns:
+        Tags to delete, oldest first.
+
+    Raises:
+        ValueError: ``keep < 1``.
+    """
+    if keep < 1:
+        raise ValueError(f"num_kept_partial_checkpoints must be >= 1, got {keep}")
+    ordered = sorted(committed, key=lambda t: (t.committed_at, t.tag), reverse=True)
+    doomed = [t.tag for t in ordered[keep:] if t.tag not in protect]
+    return list(reversed(doomed))

@@ -1,0 +1,462 @@
+"""Load full (single-file) checkpoints into sharded models, each rank reading its slices.
+
+A full checkpoint here is a ``.safetensors`` file, a Hugging Face style folder
+(``model.safetensors``, or shards listed in ``model.safetensors.index.json``),
+or a ``torch.save`` file of a dict of tensors (dcp_ext's ``partial=False``
+checkpoints are either). The readers below present such a file to DCP as a
+checkpoint with one chunk per tensor, so ``dcp.load`` plans the load as for
+any resharding and :class:`~dcp_ext.CheckpointReader`'s ranged reads fetch
+only the bytes each rank owns. This replaces loading the whole model on rank 0
+and broadcasting it.
+
+``torch.save`` files are read without unpickling anything but tensor layout:
+the zip directory gives each storage record's position, and ``data.pkl`` is
+interpreted by an unpickler that admits only tensor rebuilding, storages and
+ordered dicts.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import struct
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ._metadata_format import StoredItem, validate_file_name
+from ._ranges import Piece, plan_requests
+from ._safetensors import MAX_HEADER, parse_header
+from .config import IOConfig
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
+from .reader import CheckpointReader
+from .storage import Store, normalize_path, open_store
+
+__all__ = ["FullCheckpointReader", "load_pretrained", "PretrainedLoadReport"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the raw data in ``file``
+
+
+def _split(path: str) -> tuple[str, str]:
+    text = normalize_path(path).rstrip("/")
+    if "://" in text:
+        head, _, tail = text.rpartition("/")
+        return head, tail
+    return os.path.dirname(os.path.abspath(text)), os.path.basename(text)
+
+
+class FullCheckpointReader(CheckpointReader):
+    """A DCP ``StorageReader`` over a full checkpoint file or a Hugging Face folder.
+
+    Use with ``dcp.load`` (every rank) and a state dict whose tensors may be
+    sharded (FSDP2, tensor parallel) or plain::
+
+        dcp.load(model_state_dict, storage_reader=FullCheckpointReader("model.safetensors"),
+                 planner=LayoutLoadPlanner())
+
+    Args:
+        path: A ``.safetensors`` or ``torch.save`` file, or a folder holding
+            ``model.safetensors`` or ``model.safetensors.index.json``.
+        key_map: Maps a key in the file to the state-dict key to load it into
+            (``None`` skips the tensor); identity by default.
+        storage_options, config, ...: As for :class:`CheckpointReader`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        key_map: Callable[[str], str | None] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        config: IOConfig | None = None,
+        **io_options: Any,
+    ) -> None:
+        self.source = normalize_path(path)
+        self.key_map = key_map
+        root, self._file = self._locate(self.source, storage_options, config)
+        super().__init__(root, storage_options=storage_options, config=config, **io_options)
+        self._metadata: Metadata | None = None  # a full checkpoint does not change
+
+    @staticmethod
+    def _locate(source: str, storage_options: dict[str, Any] | None, config: IOConfig | None) -> tuple[str, str | None]:
+        """(root, file) when ``source`` is a file, (source, None) for a folder."""
+        parent, name = _split(source)
+        store = open_store(parent, config or IOConfig.from_env(), storage_options)
+        if name and store.exists(name):
+            return parent, name
+        return source, None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            raise ValueError("FullCheckpointReader reads the file given at construction; create a new reader")
+        super().reset(None)
+
+    # -- metadata -----------------------------------------------------------
+    def _read_metadata(self) -> Metadata:
+        if self._metadata is None:
+            self._metadata = self._build_metadata()
+        return self._metadata
+
+    def _build_metadata(self) -> Metadata:
+        tensors = self._tensors()
+        state: dict[str, Any] = {}
+        storage: dict[MetadataIndex, StoredItem] = {}
+        for key, info in tensors.items():
+            target = self.key_map(key) if self.key_map is not None else key
+            if target is None:
+                continue
+            if target in state:
+                raise CheckpointCorruptError(f"{self.source}: two tensors map to key {target!r}", self.source)
+            zeros = (0,) * len(info.shape)
+            nbytes = _numel(info.shape) * info.dtype.itemsize
+            state[target] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=info.dtype),
+                size=torch.Size(info.shape),
+                chunks=[ChunkStorageMetadata(torch.Size(zeros), torch.Size(info.shape))],
+            )
+            storage[MetadataIndex(target, zeros)] = StoredItem(info.file, info.offset, nbytes, 0, nbytes)
+        return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta())
+
+    def _tensors(self) -> dict[str, _Tensor]:
+        store = self.store
+        if self._file is not None:
+            return self._file_tensors(self._file)
+        names = set(store.list_names())
+        if _INDEX in names:
+            index = json.loads(store.read_file(_INDEX))
+            files = sorted(set(index.get("weight_map", {}).values()))
+            tensors: dict[str, _Tensor] = {}
+            for name in files:
+                tensors.update(self._file_tensors(validate_file_name(name, store.describe(_INDEX))))
+            return tensors
+        if _SINGLE in names:
+            return self._file_tensors(_SINGLE)
+        if not store.root_exists():
+            raise CheckpointNotFoundError(f"no full checkpoint at {self.source}: it does not exist", self.source)
+        raise NotACheckpointError(
+            f"{self.source} holds neither {_SINGLE} nor {_INDEX}; pass the checkpoint file itself",
+            self.source,
+        )
+
+    def _file_tensors(self, name: str) -> dict[str, _Tensor]:
+        head = self.store.read_head(name, 64 * 1024)
+        if head[:4] == b"PK\x03\x04":
+            return _torch_save_tensors(self.store, name)
+        if len(head) >= 8:
+            (length,) = struct.unpack("<Q", head[:8])
+            if length <= MAX_HEADER and len(head) < 8 + length:
+                head = self.store.read_head(name, 8 + length)
+        header = parse_header(head, self.store.describe(name))
+        return {
+            t.name: _Tensor(name, t.dtype, t.shape, header.data_start + t.begin) for t in header.tensors
+        }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# -- torch.save files without unpickling -------------------------------------------
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    storage: _StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _rebuild_tensor(storage: _StorageRef, storage_offset: int, size: Any, stride: Any, *rest: Any) -> _TensorRef:
+    return _TensorRef(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
+
+
+def _rebuild_parameter(data: _TensorRef, *rest: Any) -> _TensorRef:
+    return data
+
+
+class _PlainDict(dict):  # type: ignore[type-arg]
+    """Stands in for OrderedDict; accepts the ``_metadata`` attribute state dicts carry."""
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Interprets ``data.pkl`` into tensor layouts; refuses everything else."""
+
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_tensor
+        if module == "torch._utils" and name == "_rebuild_parameter":
+            return _rebuild_parameter
+        if module == "collections" and name == "OrderedDict":
+            return _PlainDict
+        if module == "torch" and name.endswith("Storage"):
+            storage_type = getattr(torch, name, None)
+            dtype = getattr(storage_type, "dtype", None)
+            if isinstance(dtype, torch.dtype):
+                return dtype
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype):
+                return value
+        raise CheckpointCorruptError(
+            f"{self.where} refers to {module}.{name}; only plain tensors in dicts can be "
+            f"loaded from a torch.save file without unpickling code",
+            self.where,
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
+            raise CheckpointCorruptError(f"{self.where}: unexpected persistent id {pid!r}", self.where)
+        dtype = pid[1]
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointCorruptError(f"{self.where}: storage of unknown type {dtype!r}", self.where)
+        return _StorageRef(str(pid[2]), dtype)
+
+
+def _zip_directory(store: Store, name: str) -> dict[str, tuple[int, int]]:
+    """``{record name: (local header offset, size)}`` from the zip central directory."""
+    where = store.describe(name)
+    size = store.size(name)
+    tail_len = min(size, 65536 + 22)
+    tail = store.read_range(name, size - tail_len, tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0:
+        raise CheckpointCorruptError(f"{where} is not a zip archive (no end of central directory)", where)
+    entries, cd_size, cd_offset = struct.unpack("<HII", tail[at + 10 : at + 20])
+    if cd_offset == 0xFFFFFFFF or cd_size == 0xFFFFFFFF or entries == 0xFFFF:
+        loc = tail.rfind(b"PK\x06\x07", 0, at)
+        if loc < 0:
+            raise CheckpointCorruptError(f"{where}: zip64 locator missing", where)
+        (eocd64_offset,) = struct.unpack("<Q", tail[loc + 8 : loc + 16])
+        eocd64 = store.read_range(name, eocd64_offset, 56)
+        cd_size, cd_offset = struct.unpack("<QQ", eocd64[40:56])
+    if cd_offset + cd_size > size:
+        raise CheckpointCorruptError(f"{where}: zip directory lies outside the file", where)
+    directory = store.read_range(name, cd_offset, cd_size)
+    records: dict[str, tuple[int, int]] = {}
+    pos = 0
+    while pos + 46 <= len(directory) and directory[pos : pos + 4] == b"PK\x01\x02":
+        method, = struct.unpack("<H", directory[pos + 10 : pos + 12])
+        csize, usize, n, e, c = struct.unpack("<IIHHH", directory[pos + 20 : pos + 34])
+        (local,) = struct.unpack("<I", directory[pos + 42 : pos + 46])
+        record = directory[pos + 46 : pos + 46 + n].decode()
+        extra = directory[pos + 46 + n : pos + 46 + n + e]
+        values = []
+        x = 0
+        while x + 4 <= len(extra):
+            tag, length = struct.unpack("<HH", extra[x : x + 4])
+            if tag == 1:
+                values = [struct.unpack("<Q", extra[x + 4 + 8 * i : x + 12 + 8 * i])[0] for i in range(length // 8)]
+            x += 4 + length
+        it = iter(values)
+        if usize == 0xFFFFFFFF:
+            usize = next(it)
+        if csize == 0xFFFFFFFF:
+            csize = next(it)
+        if local == 0xFFFFFFFF:
+            local = next(it)
+        if method != 0:
+            raise CheckpointCorruptError(f"{where}: record {record} is compressed; torch.save files are not", where)
+        records[record] = (int(local), int(usize))
+        pos += 46 + n + e + c
+    return records
+
+
+def _torch_save_tensors(store: Store, name: str) -> dict[str, _Tensor]:
+    where = store.describe(name)
+    records = _zip_directory(store, name)
+    pkl = [r for r in records if r.endswith("/data.pkl")]
+    if len(pkl) != 1:
+        raise CheckpointCorruptError(f"{where} is not a torch.save archive (no data.pkl)", where)
+    prefix = pkl[0][: -len("data.pkl")]
+    # Local headers: 30 fixed bytes, then name and extra field of their own lengths.
+    headers = {r: bytearray(30) for r in records}
+    store.read(plan_requests(
+        [Piece(name, records[r][0], memoryview(headers[r])) for r in records], gap=4096, max_request=1 << 24,
+    ))
+
+    def data_offset(record: str) -> int:
+        head = headers[record]
+        if head[:4] != b"PK\x03\x04":
+            raise CheckpointCorruptError(f"{where}: bad local header for {record}", where)
+        n, e = struct.unpack("<HH", head[26:30])
+        return int(records[record][0] + 30 + n + e)
+
+    pickled = store.read_range(name, data_offset(pkl[0]), records[pkl[0]][1])
+    try:
+        obj = _LayoutUnpickler(pickled, where).load()
+    except CheckpointCorruptError:
+        raise
+    except Exception as err:
+        raise CheckpointCorruptError(f"{where}: cannot read data.pkl ({err})", where) from err
+    flat: dict[str, _TensorRef] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, _TensorRef):
+            flat[path] = node
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        # other plain values (ints, strings) are not tensors: not loaded here
+
+    walk(obj, "")
+    tensors: dict[str, _Tensor] = {}
+    for key, ref in flat.items():
+        expected = 1
+        for size, stride in zip(reversed(ref.shape), reversed(ref.stride)):
+            if size != 1 and stride != expected:
+                raise CheckpointCorruptError(
+                    f"{where}: tensor {key!r} is stored non-contiguously (stride {ref.stride}); "
+                    f"re-save it with .contiguous()",
+                    where,
+                )
+            expected *= size
+        record = f"{prefix}data/{ref.storage.key}"
+        if record not in records:
+            raise CheckpointCorruptError(f"{where}: tensor {key!r} refers to missing record {record}", where)
+        nbytes = _numel(ref.shape) * ref.storage.dtype.itemsize
+        start = ref.offset * ref.storage.dtype.itemsize
+        if start + nbytes > records[record][1]:
+            raise CheckpointCorruptError(f"{where}: tensor {key!r} lies outside its storage record", where)
+        tensors[key] = _Tensor(name, ref.storage.dtype, ref.shape, data_offset(record) + start)
+    return tensors
+
+
+# -- the user-facing function -----------------------------------------------------
+@dataclass(frozen=True)
+class PretrainedLoadReport:
+    """What :func:`load_pretrained` did.
+
+    Attributes:
+        loaded: State-dict keys filled from the checkpoint.
+        missing: Model keys the checkpoint lacked (only when ``strict=False``).
+        unexpected: Checkpoint keys the model does not have (ignored).
+        uninitialized_buffers: Non-persistent buffers that were on the meta
+            device and are now allocated but not initialized: set them yourself.
+        bytes_read: Bytes this rank read.
+    """
+
+    loaded: tuple[str, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    uninitialized_buffers: tuple[str, ...]
+    bytes_read: int
+
+
+def load_pretrained(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    key_map: Callable[[str], str | None] | None = None,
+    device: str | torch.device | None = None,
+    storage_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+    config: IOConfig | None = None,
+) -> PretrainedLoadReport:
+    """(all ranks) Load a full checkpoint into ``model``, each rank reading only its slices.
+
+    ``model`` may be plain, or sharded with FSDP2 / tensor parallelism, and
+    may still be on the meta device: it is then materialized with
+    ``model.to_empty(device=...)`` first (CPU by default). Non-persistent
+    buffers are not in any checkpoint; those left uninitialized are listed in
+    the report (and a warning) so the caller can set them.
+
+    Args:
+        model: The module to load into, in place.
+        path: ``.safetensors`` / ``torch.save`` file, or a Hugging Face folder.
+        strict: Refuse a checkpoint that lacks some of the model's keys.
+        key_map: Maps checkpoint keys to model keys (``None`` skips a key).
+        device: Where to materialize a meta-device model.
+        storage_options: fsspec/s3fs options for remote paths.
+        process_group: The group to load with (default group if ``None``).
+        config: I/O tunables.
+
+    Raises:
+        KeyError: With ``strict=True``, the model keys the checkpoint lacks.
+        ValueError: A tensor whose shape differs between model and checkpoint.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from .planners import LayoutLoadPlanner
+
+    uninitialized: list[str] = []
+    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        persistent = set(model.state_dict().keys())
+        uninitialized = [n for n, b in model.named_buffers() if b.is_meta and n not in persistent]
+        model.to_empty(device=device or "cpu")
+        if uninitialized:
+            warnings.warn(
+                f"non-persistent buffers {uninitialized} were on the meta device and are now "
+                f"allocated but uninitialized; set them before use",
+                stacklevel=2,
+            )
+    reader = FullCheckpointReader(path, key_map=key_map, storage_options=storage_options, config=config)
+    metadata = reader.read_metadata()
+    state = get_model_state_dict(model, options=StateDictOptions())
+    available = set(metadata.state_dict_metadata)
+    missing = sorted(k for k in state if k not in available)
+    unexpected = sorted(k for k in available if k not in state)
+    if missing and strict:
+        raise KeyError(
+            f"checkpoint {reader.source} lacks {len(missing)} key(s) of the model: {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}; pass strict=False to keep their current values, "
+            f"or key_map= to rename checkpoint keys"
+        )
+    wanted = {k: v for k, v in state.items() if k in available}
+    for key, value in wanted.items():
+        stored = metadata.state_dict_metadata[key]
+        shape = tuple(getattr(value, "shape", ()))
+        if isinstance(stored, TensorStorageMetadata) and tuple(stored.size) != shape:
+            raise ValueError(
+                f"{key!r}: the checkpoint holds shape {tuple(stored.size)} but the model has {shape}"
+            )
+    dcp_load(wanted, storage_reader=reader, planner=LayoutLoadPlanner(strict=True), process_group=process_group)
+    set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
+    return PretrainedLoadReport(
+        loaded=tuple(sorted(wanted)),
+        missing=tuple(missing),
+        unexpected=tuple(unexpected),
+        uninitialized_buffers=tuple(uninitialized),
+        bytes_read=reader.store.stats.snapshot().bytes_read,
+    )
+

@@ -42,7 +42,7 @@ from .errors import (
     DcpExtError,
     unwrap_checkpoint_exception,
 )
-from .full import FULL_FORMATS, FullTensorSpec, full_layout, spec_of, stream_full_checkpoint
+from .full import FULL_FORMATS, full_layout, spec_of, stream_full_checkpoint
 from .layout import (
     NEWEST_FILE,
     PARTIAL_SUFFIX,
@@ -57,7 +57,7 @@ from .layout import (
     validate_tag,
 )
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
-from .pretrained import FullCheckpointReader, load_pretrained
+from .pretrained import load_pretrained
 from .reader import CheckpointReader
 from .storage import Store, join_path, normalize_path, open_store
 from .storage.local import TMP_MARK

@@ -266,6 +266,7 @@ class Store(ABC):
         """Size of file ``name`` in bytes."""
         return len(self.read_file(name))
 
+    @abstractmethod
     def remove_root_if_empty(self) -> None:
         """Remove the root directory if nothing is left in it (no-op on object stores)."""
 

@@ -449,6 +449,9 @@ class S3Store(Store):
         head = self.call("head_object", "checking", self.key(name), **self.connection.read_params)
         return int(head["ContentLength"])
 
+    def remove_root_if_empty(self) -> None:
+        pass  # prefixes vanish with their last object
+
     def _check_bucket(self) -> None:
         if self._bucket_checked:
             return

@@ -202,7 +202,7 @@ class Partition:
                     for r in self.ranks
                 ],
             },
-            indent=1,
+            separators=(",", ":"),
         ).encode()
 
     @classmethod

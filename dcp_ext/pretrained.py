@@ -205,6 +205,16 @@ def _rebuild_parameter(data: _TensorRef, *rest: Any) -> _TensorRef:
     return data
 
 
+# Legacy typed-storage class names in torch.save's data.pkl, and their dtypes.
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+}
+
+
 class _PlainDict(dict):  # type: ignore[type-arg]
     """Stands in for OrderedDict; accepts the ``_metadata`` attribute state dicts carry."""
 
@@ -223,11 +233,8 @@ class _LayoutUnpickler(pickle.Unpickler):
             return _rebuild_parameter
         if module == "collections" and name == "OrderedDict":
             return _PlainDict
-        if module == "torch" and name.endswith("Storage"):
-            storage_type = getattr(torch, name, None)
-            dtype = getattr(storage_type, "dtype", None)
-            if isinstance(dtype, torch.dtype):
-                return dtype
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
         if module == "torch":
             value = getattr(torch, name, None)
             if isinstance(value, torch.dtype):

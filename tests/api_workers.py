@@ -46,7 +46,11 @@ def layout_world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     torch.manual_seed(100 + mesh["dp"].get_local_rank())
     model(torch.randn(4, 512)).square().mean().backward()
     optim.step()
-    CheckpointManager(f"{root}/mesh", mesh=mesh).save("t1", model, optim, user_content={"step": 1})
+    manager = CheckpointManager(f"{root}/mesh", mesh=mesh)
+    manager.save("t1", model, optim, user_content={"step": 1})
+    # A full checkpoint straight from the sharded model: rank 0 writes one
+    # tensor at a time as the ranks all-gather it.
+    manager.save("direct", model, partial=False, full_format="torch")
     full = get_model_state_dict(model, options=FULL)
 
     # The same world without a mesh: FSDP2 over all 4 ranks, files by rank.

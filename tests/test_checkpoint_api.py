@@ -67,6 +67,7 @@ def test_layout_partition_and_export(tmp_path: Path) -> None:
 
     assert _same(safetensors.torch.load_file(str(tmp_path / "mesh" / "full_st")), report["full"])
     assert _same(torch.load(tmp_path / "mesh" / "full_pt", weights_only=True), report["full"])
+    assert _same(torch.load(tmp_path / "mesh" / "direct", weights_only=True), report["full"])
     # The full file's user content came along.
     manager = CheckpointManager(tmp_path / "mesh")
     model = api_workers.mlp(9, width=512, hidden=2048, blocks=4)
@@ -199,9 +200,13 @@ def test_manager_on_s3_and_async_save(moto_server) -> None:
         future.result(timeout=60)
         assert newest() == "b"
         assert manager.tags() == ["b"]  # retention ran after the commit
+        # A save while another is in flight waits for it.
+        future = manager.save("c", model, optim, async_save=True)
+        manager.save("d", model, optim)
+        assert future.done() and newest() == "d" and manager.tags() == ["b", "c", "d"]
         fresh = api_workers.mlp(4, width=256, hidden=1024)
         fresh_optim = torch.optim.Adam(fresh.parameters())
-        result = manager.resume(fresh, fresh_optim)
+        result = manager.resume(fresh, fresh_optim, tag="b")
         assert (result.tag, result.user_content) == ("b", {"step": 2})
         assert _same(fresh.state_dict(), model.state_dict())
         exported = manager.export("b")

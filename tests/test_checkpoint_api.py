@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -68,8 +69,12 @@ def test_layout_partition_and_export(tmp_path: Path) -> None:
     assert _same(safetensors.torch.load_file(str(tmp_path / "mesh" / "full_st")), report["full"])
     assert _same(torch.load(tmp_path / "mesh" / "full_pt", weights_only=True), report["full"])
     assert _same(torch.load(tmp_path / "mesh" / "direct", weights_only=True), report["full"])
-    # The full file's user content came along.
+    # The 2x2-mesh partial checkpoint resumes into one process (another partition).
     manager = CheckpointManager(tmp_path / "mesh")
+    single = api_workers.mlp(8, width=512, hidden=2048, blocks=4)
+    assert manager.resume(single, tag="t1").user_content == {"step": 1}
+    assert _same(single.state_dict(), report["full"])
+    # The full file's user content came along.
     model = api_workers.mlp(9, width=512, hidden=2048, blocks=4)
     result_full = manager.resume(model, tag="full_st", partial=False)
     assert result_full.user_content == {"step": 1}
@@ -150,6 +155,9 @@ def test_retention_newest_and_an_interrupted_save(tmp_path: Path) -> None:
     (tmp_path / "newest").write_text("step1\n")
     with pytest.warns(UserWarning, match="not a committed checkpoint"):
         assert manager.read_newest() == "step6"
+    (tmp_path / "newest").unlink()
+    with pytest.warns(UserWarning, match="is missing"):
+        assert resume_from_checkpoint(tmp_path, api_workers.mlp(4)).tag == "step6"
 
 
 def test_full_checkpoints_both_formats_and_meta_models(tmp_path: Path) -> None:
@@ -238,3 +246,36 @@ def test_bad_input_gets_clear_errors(tmp_path: Path) -> None:
     bigger = api_workers.mlp(0, width=32)
     with pytest.raises(ValueError, match="Size mismatch .* model.0.weight"):
         resume_from_checkpoint(root, bigger)
+
+
+def test_hugging_face_folder_and_hostile_values(tmp_path: Path) -> None:
+    """A sharded HF folder loads; a checkpoint value that would run code does not."""
+    import safetensors.torch
+
+    model = api_workers.mlp(0, blocks=2)
+    state = model.state_dict()
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[:3], "model-00002-of-00002.safetensors": names[3:]}
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    weight_map = {}
+    for file, keys in shards.items():
+        safetensors.torch.save_file({k: state[k] for k in keys}, str(folder / file))
+        weight_map.update({k: file for k in keys})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    fresh = api_workers.mlp(1, blocks=2)
+    report = dcp_ext.load_pretrained(fresh, folder)
+    assert _same(fresh.state_dict(), state) and report.missing == () and report.unexpected == ()
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2), "extra": Payload()}, checkpoint_id=str(tmp_path / "evil"))
+    with pytest.raises(dcp_ext.CheckpointCorruptError, match="'extra' is not plain data"):
+        dcp_ext.load({"w": torch.zeros(2), "extra": None}, tmp_path / "evil")
+    assert not marker.exists()

@@ -24,18 +24,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .config import IOConfig
-from .errors import unwrap_checkpoint_exception
+from .errors import raise_unwrapped
 from .reader import CheckpointReader
 from .writer import CheckpointWriter
 
 __all__ = ["save", "load"]
-
-
-def _reraise(exc: CheckpointException, preferred: BaseException | None = None) -> None:
-    inner = preferred or unwrap_checkpoint_exception(exc)
-    if isinstance(inner, Exception):
-        raise inner
-    raise exc
 
 
 def save(
@@ -73,7 +66,7 @@ def save(
         return metadata
     except CheckpointException as exc:
         writer.remove_own_files()
-        _reraise(exc)
+        raise_unwrapped(exc)
         raise  # unreachable; keeps type checkers content
 
 
@@ -103,4 +96,4 @@ def load(
     except CheckpointException as exc:
         # DCP re-raises metadata failures as a bare AssertionError; the reader
         # kept the real one.
-        _reraise(exc, reader.last_error)
+        raise_unwrapped(exc, reader.last_error)

@@ -29,6 +29,7 @@ __all__ = [
     "StorageError",
     "TransientStorageError",
     "unwrap_checkpoint_exception",
+    "raise_unwrapped",
 ]
 
 
@@ -120,3 +121,15 @@ def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:
         if isinstance(err, DcpExtError):
             return err
     return inner[0] if inner else exc
+
+
+def raise_unwrapped(exc: BaseException, preferred: BaseException | None = None) -> None:
+    """Raise the error inside DCP's ``CheckpointException`` (``preferred`` if given).
+
+    Falls back to re-raising ``exc`` when the inner failure is not an
+    ``Exception`` (e.g. ``KeyboardInterrupt``).
+    """
+    inner = preferred or unwrap_checkpoint_exception(exc)
+    if isinstance(inner, Exception):
+        raise inner
+    raise exc

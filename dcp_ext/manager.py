@@ -40,6 +40,7 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     DcpExtError,
+    raise_unwrapped,
     unwrap_checkpoint_exception,
 )
 from .full import FULL_FORMATS, full_layout, spec_of, stream_full_checkpoint
@@ -304,7 +305,7 @@ class CheckpointManager:
                 dcp_save(state, storage_writer=writer, planner=planner, process_group=self.process_group)
             except CheckpointException as exc:
                 writer.remove_own_files()
-                _raise_unwrapped(exc)
+                raise_unwrapped(exc)
             error = self._after_commit(tag, keep) if self._is_coordinator() else None
             error = self._broadcast(error)
             if error is not None:
@@ -452,7 +453,7 @@ class CheckpointManager:
         try:
             dcp_load(state, storage_reader=reader, planner=LayoutLoadPlanner(strict), process_group=self.process_group)
         except CheckpointException as exc:
-            _raise_unwrapped(exc, reader.last_error)
+            raise_unwrapped(exc, reader.last_error)
         options = StateDictOptions(strict=strict)
         if optimizer is None:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -571,13 +572,6 @@ class CheckpointManager:
         if content is not None and target_store is self._root_store:
             self._root_store.write_file(user_content_name(target_name), content)
         return target_store.describe(target_name)
-
-
-def _raise_unwrapped(exc: CheckpointException, preferred: BaseException | None = None) -> None:
-    inner = preferred or unwrap_checkpoint_exception(exc)
-    if isinstance(inner, Exception):
-        raise inner
-    raise exc
 
 
 # -- SageMaker-style functions ------------------------------------------------------

@@ -393,25 +393,11 @@ class S3Store(Store):
     def delete(self, name: str) -> None:
         self.call("delete_object", "deleting", self.key(name), **self.connection.list_params)
 
-    def list_names(self) -> list[str]:
+    def _list(self) -> tuple[list[str], list[str]]:
+        """(files, directories) directly under the prefix."""
         self._check_bucket()
         prefix = f"{self.prefix}/" if self.prefix else ""
-        names: list[str] = []
-        token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = {"Prefix": prefix, "Delimiter": "/", **self.connection.list_params}
-            if token:
-                kwargs["ContinuationToken"] = token
-            response = self.call("list_objects_v2", "listing", **kwargs)
-            names.extend(item["Key"][len(prefix):] for item in response.get("Contents", []))
-            if not response.get("IsTruncated"):
-                break
-            token = response.get("NextContinuationToken")
-        return sorted(n for n in names if n)
-
-    def list_dirs(self) -> list[str]:
-        self._check_bucket()
-        prefix = f"{self.prefix}/" if self.prefix else ""
+        files: list[str] = []
         dirs: list[str] = []
         token: str | None = None
         while True:
@@ -419,11 +405,18 @@ class S3Store(Store):
             if token:
                 kwargs["ContinuationToken"] = token
             response = self.call("list_objects_v2", "listing", **kwargs)
+            files.extend(item["Key"][len(prefix):] for item in response.get("Contents", []))
             dirs.extend(p["Prefix"][len(prefix):].rstrip("/") for p in response.get("CommonPrefixes", []))
             if not response.get("IsTruncated"):
                 break
             token = response.get("NextContinuationToken")
-        return sorted(d for d in dirs if d)
+        return sorted(n for n in files if n), sorted(d for d in dirs if d)
+
+    def list_names(self) -> list[str]:
+        return self._list()[0]
+
+    def list_dirs(self) -> list[str]:
+        return self._list()[1]
 
     def _read_range_short(self, name: str, offset: int, length: int) -> bytes:
         key = self.key(name)

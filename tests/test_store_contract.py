@@ -151,3 +151,23 @@ def test_small_files_replace_atomically_and_delete(backend: Backend) -> None:
     store.delete("meta.json")
     assert not store.exists("meta.json")
     assert _visible(store) == []
+
+
+def test_directories_heads_and_sizes(backend: Backend) -> None:
+    root = _store(backend)
+    root.ensure_root()
+    root.write_file("top.json", b"{}")
+    url = backend.url("child")
+    parent = open_store(url.rsplit("/", 1)[0] if "://" in url else os.path.dirname(url), CONFIG, backend.storage_options)
+    child = open_store(url, CONFIG, backend.storage_options)
+    child.ensure_root()
+    child.write_file("a.bin", b"0123456789")
+    assert os.path.basename(url.rstrip("/")) in parent.list_dirs()
+    assert child.list_dirs() == []
+    assert child.size("a.bin") == 10
+    assert child.read_head("a.bin", 4) == b"0123"
+    assert child.read_head("a.bin", 100) == b"0123456789"  # short at the end of the file
+    assert child.read_range("a.bin", 3, 5) == b"34567"
+    child.delete("a.bin")
+    child.remove_root_if_empty()
+    assert child.list_names() == []

@@ -78,19 +78,21 @@ def load(
     planner: LoadPlanner | None = None,
     process_group: Any = None,
     config: IOConfig | None = None,
+    strict: bool = True,
     **io_options: Any,
 ) -> None:
     """(all ranks) Load ``path`` into ``state_dict`` in place with :class:`CheckpointReader`.
 
     Args: as for :func:`save`; ``planner`` is a DCP ``LoadPlanner``, by default
-        :class:`~dcp_ext.planners.LayoutLoadPlanner` (DCP's default, but
-        non-tensor values are unpickled with ``weights_only=True``).
+        :class:`~dcp_ext.planners.LayoutLoadPlanner` (DCP's default with clear
+        key/shape/dtype errors, and non-tensor values unpickled with
+        ``weights_only=True``); ``strict`` is passed to it.
     """
     reader = CheckpointReader(path, storage_options=storage_options, config=config, **io_options)
     if planner is None:
         from .planners import LayoutLoadPlanner
 
-        planner = LayoutLoadPlanner()  # non-tensor values unpickled with weights_only=True
+        planner = LayoutLoadPlanner(strict)  # non-tensor values unpickled with weights_only=True
     try:
         dcp_load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
     except CheckpointException as exc:

@@ -28,6 +28,8 @@ __all__ = [
     "CredentialsError",
     "StorageError",
     "TransientStorageError",
+    "CheckpointKeyError",
+    "ReshardError",
     "unwrap_checkpoint_exception",
     "raise_unwrapped",
 ]
@@ -94,6 +96,16 @@ class StorageError(DcpExtError, OSError):
 
 class TransientStorageError(StorageError):
     """A failure that is worth retrying (throttling, 5xx, reset, short read)."""
+
+
+class CheckpointKeyError(DcpExtError, KeyError):
+    """The state dict asks for keys the checkpoint lacks, or (strict) the
+    checkpoint holds keys the state dict does not take."""
+
+
+class ReshardError(DcpExtError, ValueError):
+    """A checkpoint tensor cannot be loaded into the requested one: a different
+    global shape or dtype, or a layout the saved chunks cannot fill."""
 
 
 def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:

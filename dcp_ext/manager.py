@@ -122,6 +122,8 @@ class CheckpointManager:
         self._root_store = open_store(self.root, self.config, self.storage_options)
         self._pending: concurrent.futures.Future[None] | None = None
         self._lock = threading.Lock()
+        #: The planner of the last partial resume (its fast-path and key reports).
+        self.last_load_planner: LayoutLoadPlanner | None = None
 
     # -- process-group helpers -----------------------------------------------------
     def _distributed(self) -> bool:
@@ -418,6 +420,7 @@ class CheckpointManager:
         tag: str | None = None,
         partial: bool = True,
         strict: bool = True,
+        allow_dtype_cast: bool = False,
     ) -> ResumeResult:
         """(all ranks) Load a checkpoint into ``model`` / ``optimizer`` in place.
 
@@ -427,10 +430,19 @@ class CheckpointManager:
             optimizer: Its optimizer (partial checkpoints).
             tag: Which checkpoint; ``None`` means the newest committed one.
             partial: Load ``{tag}_partial/`` (``True``) or the full file ``ROOT/{tag}``.
-            strict: Refuse a checkpoint that lacks keys of the model/optimizer.
+            strict: Refuse a checkpoint that lacks keys of the model/optimizer,
+                or holds model/optimizer keys they do not have. Without an
+                optimizer only the model is loaded (a selective load).
+            allow_dtype_cast: Load tensors saved in another dtype by casting.
+
+        The checkpoint may have been saved by any world size and parallel
+        layout (resharding); when ``partition.json`` shows the same world size
+        and mesh, each rank reads its own chunks without overlap computation.
 
         Raises:
             CheckpointNotFoundError: No such tag, or nothing committed under the root.
+            CheckpointKeyError: Missing / unexpected keys (``strict``).
+            ReshardError: A shape or dtype differs, or the layout cannot be filled.
         """
         if tag is None:
             tag = self._broadcast(self.read_newest() if self._is_coordinator() else None)
@@ -451,7 +463,18 @@ class CheckpointManager:
         reader = CheckpointReader(url, storage_options=self.storage_options, config=self.config)
         state = self._app_state(model, optimizer)
         try:
-            dcp_load(state, storage_reader=reader, planner=LayoutLoadPlanner(strict), process_group=self.process_group)
+            partition: Partition | None = Partition.from_json(
+                reader.store.read_file(PARTITION_FILE), reader.store.describe(PARTITION_FILE)
+            )
+        except CheckpointNotFoundError:
+            partition = None
+        world = dist.get_world_size(self.process_group) if self._distributed() else 1
+        planner = LayoutLoadPlanner(
+            strict, allow_dtype_cast=allow_dtype_cast, partition=partition, world_size=world, mesh=self.mesh
+        )
+        self.last_load_planner = planner
+        try:
+            dcp_load(state, storage_reader=reader, planner=planner, process_group=self.process_group)
         except CheckpointException as exc:
             raise_unwrapped(exc, reader.last_error)
         options = StateDictOptions(strict=strict)
@@ -609,6 +632,7 @@ def resume_from_checkpoint(
     partial: bool = True,
     strict: bool = True,
     storage_options: dict[str, Any] | None = None,
+    allow_dtype_cast: bool = False,
     **kwargs: Any,
 ) -> ResumeResult:
     """(all ranks) ``smp.resume_from_checkpoint`` on DCP; see :meth:`CheckpointManager.resume`.
@@ -617,5 +641,7 @@ def resume_from_checkpoint(
         The tag loaded and its ``user_content``.
     """
     manager = CheckpointManager(path, storage_options=storage_options, **kwargs)
-    return manager.resume(model, optimizer, tag=tag, partial=partial, strict=strict)
+    return manager.resume(
+        model, optimizer, tag=tag, partial=partial, strict=strict, allow_dtype_cast=allow_dtype_cast
+    )
 

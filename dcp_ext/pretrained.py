@@ -457,7 +457,8 @@ def load_pretrained(
             raise ValueError(
                 f"{key!r}: the checkpoint holds shape {tuple(stored.size)} but the model has {shape}"
             )
-    dcp_load(wanted, storage_reader=reader, planner=LayoutLoadPlanner(strict=True), process_group=process_group)
+    planner = LayoutLoadPlanner(strict=True, keys=tuple(wanted))  # missing/unexpected handled above
+    dcp_load(wanted, storage_reader=reader, planner=planner, process_group=process_group)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return PretrainedLoadReport(
         loaded=tuple(sorted(wanted)),

@@ -122,8 +122,10 @@ class CheckpointManager:
         self._root_store = open_store(self.root, self.config, self.storage_options)
         self._pending: concurrent.futures.Future[None] | None = None
         self._lock = threading.Lock()
-        #: The planner of the last partial resume (its fast-path and key reports).
+        #: The planner and reader of the last partial resume: fast-path and
+        #: key reports, and ``last_reader.store.stats`` (bytes and files read).
         self.last_load_planner: LayoutLoadPlanner | None = None
+        self.last_reader: CheckpointReader | None = None
 
     # -- process-group helpers -----------------------------------------------------
     def _distributed(self) -> bool:
@@ -473,6 +475,7 @@ class CheckpointManager:
             strict, allow_dtype_cast=allow_dtype_cast, partition=partition, world_size=world, mesh=self.mesh
         )
         self.last_load_planner = planner
+        self.last_reader = reader
         try:
             dcp_load(state, storage_reader=reader, planner=planner, process_group=self.process_group)
         except CheckpointException as exc:

@@ -9,11 +9,13 @@ bounded memory, ranged reads and an explicit commit protocol.
 from __future__ import annotations
 
 from .api import load, save
+from .codecs import Codec, ZstdCodec
 from .config import IOConfig, RetryPolicy
 from .errors import (
     BucketNotFoundError,
     CheckpointCorruptError,
     CheckpointExistsError,
+    ChecksumMismatchError,
     CheckpointIncompleteError,
     CheckpointKeyError,
     CheckpointNotFoundError,
@@ -24,8 +26,10 @@ from .errors import (
     StorageError,
     StoragePermissionError,
     TransientStorageError,
+    UnsupportedCodecError,
     unwrap_checkpoint_exception,
 )
+from .integrity import Problem, VerifyReport, verify
 from .layout import InvalidTagError
 from .manager import CheckpointManager, ResumeResult, resume_from_checkpoint, save_checkpoint
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
@@ -52,6 +56,11 @@ __all__ = [
     "LayoutLoadPlanner",
     "InvalidTagError",
     "UnsafeUserContentError",
+    "verify",
+    "VerifyReport",
+    "Problem",
+    "Codec",
+    "ZstdCodec",
     "IOConfig",
     "RetryPolicy",
     "DcpExtError",
@@ -61,6 +70,8 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointExistsError",
     "CheckpointCorruptError",
+    "ChecksumMismatchError",
+    "UnsupportedCodecError",
     "StoragePermissionError",
     "CredentialsError",
     "StorageError",

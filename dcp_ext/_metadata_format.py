@@ -2,10 +2,10 @@
 
 dcp_ext's own metadata is ``dcp_ext.metadata.json``, a plain JSON document, so
 loading a checkpoint never unpickles anything. It is written last and is the
-commit marker of a checkpoint. Layout (version 1)::
+commit marker of a checkpoint. Layout (version 2)::
 
     {
-      "format": "dcp_ext", "version": 1, "dcp_version": "1.0.0",
+      "format": "dcp_ext", "version": 2, "dcp_version": "1.0.0",
       "torch_version": "2.13.0", "byteorder": "little", "created": 1763766000.0,
       "storage_meta": {"checkpoint_id": "...", "save_id": "...", "modules": []},
       "planner_data": <tagged JSON, see _encode_value>,
@@ -15,22 +15,36 @@ commit marker of a checkpoint. Layout (version 1)::
                          "chunks": [{"offsets": [0, 0], "sizes": [2, 8]}, ...]},
         "step": {"kind": "bytes"}
       },
+      "checksum": "xxh3-64",
       "items": [
         {"fqn": "model.weight", "offset": [0, 0], "file": "__0_0.distcp",
-         "at": 0, "length": 1800, "data_at": 704, "data_length": 32},
+         "at": 0, "length": 1800, "data_at": 704, "data_length": 32,
+         "frame": 4194304, "xxh3": ["9f86d081884c7d65"]},
+        {"fqn": "model.bias", "offset": [0], "file": "__0_0.distcp",
+         "at": 1800, "length": 41, "data_at": 0, "data_length": 41,
+         "raw_length": 64, "codec": ["bytegroup.2/1", "zstd/1"],
+         "frame": 4194304, "frames": [41], "xxh3": ["2c26b46b68ffc68f"]},
         ...
       ],
       "files": {"__0_0.distcp": 123456, ...}
     }
 
 ``items`` says where each stored chunk lives: ``length`` bytes at ``at`` of
-``file``; for tensors the raw row-major little-endian bytes are the
-``data_length`` bytes starting ``data_at`` bytes into the item (the rest is
-the ``torch.save`` envelope that keeps torch's readers working). ``files``
+``file``; the item's data is the ``data_length`` bytes starting ``data_at``
+bytes into the item. Uncompressed tensors store their raw row-major
+little-endian bytes there, inside a ``torch.save`` envelope that keeps
+torch's readers working. Compressed items (``codec`` present: transforms
+applied left to right, see :mod:`dcp_ext.codecs`) store ``raw_length`` raw
+bytes as independent frames of ``frame`` raw bytes each (the last shorter),
+``frames`` giving each frame's stored length. Every frame's stored bytes have
+an xxh3-64 checksum in ``xxh3`` (16 hex digits, in frame order; an
+uncompressed item's frames are ``frame`` bytes of its data each). ``files``
 gives each data file's size, so truncation is detected before any read.
+Version 1 documents (no ``frame``/``xxh3``/``codec``) are read as
+uncompressed data without checksums.
 
 For interoperability the writer also stores torch's pickled ``.metadata``
-(written just before the JSON). Reading a checkpoint that has only the pickle
+(written just before the JSON) when no item is compressed. Reading a checkpoint that has only the pickle
 (written by torch's own writers) goes through :func:`load_torch_metadata`, a
 restricted unpickler that admits DCP's metadata classes and nothing else.
 """
@@ -76,7 +90,8 @@ __all__ = [
 METADATA_FILE = "dcp_ext.metadata.json"
 TORCH_METADATA_FILE = ".metadata"
 FORMAT = "dcp_ext"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 DCP_VERSION = "1.0.0"
 
 # Relative names only: no absolute paths, no "..", no empty parts, no NUL.
@@ -112,8 +127,15 @@ class StoredItem:
         relative_path: Data file name, relative to the checkpoint.
         offset: Byte offset of the item in the file.
         length: Bytes of the whole item (envelope included).
-        data_offset: Where the raw data starts, relative to ``offset``.
-        data_length: Bytes of raw data.
+        data_offset: Where the data starts, relative to ``offset``.
+        data_length: Bytes of stored data (compressed size when compressed).
+        raw_length: Bytes of raw data once decoded; ``-1`` for uncompressed
+            items, whose raw data is their stored data.
+        transforms: Codec transform descriptors (``()``: uncompressed).
+        frame_size: Raw bytes per frame; ``0`` for items written without
+            frames (metadata version 1).
+        frame_lengths: Stored bytes of each frame of a compressed item.
+        checksums: xxh3-64 of each frame's stored bytes.
     """
 
     relative_path: str
@@ -121,6 +143,16 @@ class StoredItem:
     length: int
     data_offset: int
     data_length: int
+    raw_length: int = -1
+    transforms: tuple[str, ...] = ()
+    frame_size: int = 0
+    frame_lengths: tuple[int, ...] = ()
+    checksums: tuple[int, ...] = ()
+
+    @property
+    def raw_size(self) -> int:
+        """Bytes of raw data the item decodes to."""
+        return self.data_length if self.raw_length < 0 else self.raw_length
 
     def to_torch(self) -> _StorageInfo:
         """The torch ``_StorageInfo`` that torch's readers understand."""
@@ -201,6 +233,7 @@ def encode_metadata(
                 "length": item.length,
                 "data_at": item.data_offset,
                 "data_length": item.data_length,
+                **_frame_fields(item),
             }
         )
         files[item.relative_path] = max(files.get(item.relative_path, 0), item.offset + item.length)
@@ -223,11 +256,81 @@ def encode_metadata(
             "modules": list(storage_meta.modules or []),
         },
         "planner_data": _encode_value(metadata.planner_data, where),
+        "checksum": "xxh3-64",
         "state_dict": state_dict,
         "items": records,
         "files": files,
     }
     return json.dumps(document, separators=(",", ":")).encode()
+
+
+def _frame_fields(item: StoredItem) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if item.transforms:
+        fields["raw_length"] = item.raw_length
+        fields["codec"] = list(item.transforms)
+    if item.frame_size:
+        fields["frame"] = item.frame_size
+        if item.transforms:
+            fields["frames"] = list(item.frame_lengths)
+        fields["xxh3"] = [f"{c:016x}" for c in item.checksums]
+    return fields
+
+
+def _decode_frames(record: dict[str, Any], base: StoredItem, fqn: str, where: str) -> StoredItem:
+    """The frame fields of an item record, checked for consistency."""
+    codec = record.get("codec")
+    frame_size = record.get("frame")
+    if codec is None and frame_size is None:
+        return base
+    what = f"item {fqn!r}"
+    transforms: tuple[str, ...] = ()
+    raw_length = -1
+    if codec is not None:
+        if not isinstance(codec, list) or not codec or not all(isinstance(c, str) for c in codec):
+            raise CheckpointCorruptError(f"{where}: {what} has an invalid codec {codec!r}", where)
+        transforms = tuple(codec)
+        raw_length = _nonneg(record.get("raw_length"), f"raw length of {fqn!r}", where)
+    frame_size = _nonneg(frame_size, f"frame size of {fqn!r}", where)
+    if frame_size == 0:
+        raise CheckpointCorruptError(f"{where}: {what} has frame size 0", where)
+    raw_size = base.data_length if raw_length < 0 else raw_length
+    count = -(-raw_size // frame_size)
+    lengths: tuple[int, ...] = ()
+    if transforms:
+        lengths = tuple(_int_list(record.get("frames"), f"frame lengths of {fqn!r}", where))
+        if len(lengths) != count or sum(lengths) != base.data_length:
+            raise CheckpointCorruptError(
+                f"{where}: {what} records {len(lengths)} frames of {sum(lengths)} bytes; "
+                f"{raw_size} raw bytes in frames of {frame_size} need {count} frames "
+                f"and its data is {base.data_length} bytes",
+                where,
+            )
+    sums = record.get("xxh3")
+    if not isinstance(sums, list) or len(sums) != count:
+        raise CheckpointCorruptError(
+            f"{where}: {what} needs {count} frame checksums, has "
+            f"{len(sums) if isinstance(sums, list) else sums!r}",
+            where,
+        )
+    try:
+        checksums = tuple(int(c, 16) for c in sums if isinstance(c, str) and len(c) == 16)
+    except ValueError:
+        checksums = ()
+    if len(checksums) != count:
+        raise CheckpointCorruptError(f"{where}: {what} has malformed checksums", where)
+    return StoredItem(
+        base.relative_path,
+        base.offset,
+        base.length,
+        base.data_offset,
+        base.data_length,
+        raw_length,
+        transforms,
+        frame_size,
+        lengths,
+        checksums,
+    )
 
 
 def to_torch_metadata(metadata: Metadata, items: dict[MetadataIndex, StoredItem]) -> bytes:
@@ -285,10 +388,10 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{where} is not dcp_ext metadata", where)
     version = doc.get("version")
-    if version != FORMAT_VERSION:
+    if version not in _READABLE_VERSIONS:
         raise CheckpointCorruptError(
-            f"{where} has metadata version {version!r}; this dcp_ext reads version "
-            f"{FORMAT_VERSION}. Upgrade dcp_ext to load it.",
+            f"{where} has metadata version {version!r}; this dcp_ext reads versions "
+            f"{', '.join(map(str, _READABLE_VERSIONS))}. Upgrade dcp_ext to load it.",
             where,
         )
     try:
@@ -342,6 +445,7 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
                 _nonneg(record["data_at"], "data offset", where),
                 _nonneg(record["data_length"], "data length", where),
             )
+            item = _decode_frames(record, item, fqn, where)
             if item.data_offset + item.data_length > item.length:
                 raise CheckpointCorruptError(
                     f"{where}: item {fqn!r} claims data outside its own byte range", where

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
+from ._gc import gc_paused
 from .config import IOConfig
 from .errors import raise_unwrapped
 from .reader import CheckpointReader
@@ -60,9 +61,10 @@ def save(
         path, storage_options=storage_options, overwrite=overwrite, config=config, **io_options
     )
     try:
-        metadata: Metadata = dcp_save(
-            state_dict, storage_writer=writer, planner=planner, process_group=process_group
-        )
+        with gc_paused():
+            metadata: Metadata = dcp_save(
+                state_dict, storage_writer=writer, planner=planner, process_group=process_group
+            )
         return metadata
     except CheckpointException as exc:
         writer.remove_own_files()
@@ -94,7 +96,8 @@ def load(
 
         planner = LayoutLoadPlanner(strict)  # non-tensor values unpickled with weights_only=True
     try:
-        dcp_load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+        with gc_paused():
+            dcp_load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
     except CheckpointException as exc:
         # DCP re-raises metadata failures as a bare AssertionError; the reader
         # kept the real one.

@@ -82,6 +82,17 @@ class CheckpointCorruptError(DcpExtError, ValueError):
     """Metadata or data does not match what the checkpoint says it holds."""
 
 
+class ChecksumMismatchError(CheckpointCorruptError):
+    """Stored bytes do not match the checksum recorded when they were written:
+    the file was damaged after the save. The message names the file, the byte
+    range and the tensor keys stored there."""
+
+
+class UnsupportedCodecError(DcpExtError, ValueError):
+    """A codec the writer was asked for, or a checkpoint records, that this
+    dcp_ext cannot use (unknown descriptor or missing package)."""
+
+
 class StoragePermissionError(DcpExtError, PermissionError):
     """The storage refused the operation (file mode, bucket policy, ACL)."""
 

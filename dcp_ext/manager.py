@@ -43,6 +43,8 @@ from .errors import (
     raise_unwrapped,
     unwrap_checkpoint_exception,
 )
+from .codecs import Codec, resolve_codec
+from ._gc import gc_paused
 from .full import FULL_FORMATS, full_layout, spec_of, stream_full_checkpoint
 from .layout import (
     NEWEST_FILE,
@@ -103,6 +105,9 @@ class CheckpointManager:
         process_group: Group that saves and loads (default group if ``None``).
         mesh: The ``DeviceMesh`` (with dimension names) the model is sharded
             over; data files are then named by mesh coordinates.
+        compression: Codec of partial checkpoints: ``None`` (default),
+            ``"zstd"`` or a codec object (see :class:`CheckpointWriter`).
+            Loading needs no setting; full checkpoints are not compressed.
     """
 
     def __init__(
@@ -113,8 +118,10 @@ class CheckpointManager:
         config: IOConfig | None = None,
         process_group: Any = None,
         mesh: Any = None,
+        compression: str | Codec | None = None,
     ) -> None:
         self.root = normalize_path(root)
+        self.compression = resolve_codec(compression)
         self.storage_options = dict(storage_options or {})
         self.config = config or IOConfig.from_env()
         self.process_group = process_group
@@ -303,10 +310,12 @@ class CheckpointManager:
         writer = CheckpointWriter(
             join_path(self.root, partial_dir(tag)), storage_options=self.storage_options,
             overwrite=overwrite, config=self.config, before_commit=before_commit,
+            compression=self.compression,
         )
         if not async_save:
             try:
-                dcp_save(state, storage_writer=writer, planner=planner, process_group=self.process_group)
+                with gc_paused():
+                    dcp_save(state, storage_writer=writer, planner=planner, process_group=self.process_group)
             except CheckpointException as exc:
                 writer.remove_own_files()
                 raise_unwrapped(exc)
@@ -477,7 +486,8 @@ class CheckpointManager:
         self.last_load_planner = planner
         self.last_reader = reader
         try:
-            dcp_load(state, storage_reader=reader, planner=planner, process_group=self.process_group)
+            with gc_paused():
+                dcp_load(state, storage_reader=reader, planner=planner, process_group=self.process_group)
         except CheckpointException as exc:
             raise_unwrapped(exc, reader.last_error)
         options = StateDictOptions(strict=strict)
@@ -619,7 +629,9 @@ def save_checkpoint(
     manager) and ``overwrite``, ``full_format``, ``include_optimizer``.
     An asynchronous save keeps its manager alive through the returned future.
     """
-    manager_args = {k: kwargs.pop(k) for k in ("process_group", "mesh", "config") if k in kwargs}
+    manager_args = {
+        k: kwargs.pop(k) for k in ("process_group", "mesh", "config", "compression") if k in kwargs
+    }
     manager = CheckpointManager(path, storage_options=storage_options, **manager_args)
     return manager.save(
         tag, model, optimizer, user_content, partial=partial,

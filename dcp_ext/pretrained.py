@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ._gc import gc_paused
 from ._metadata_format import StoredItem, validate_file_name
 from ._ranges import Piece, plan_requests
 from ._safetensors import MAX_HEADER, parse_header
@@ -458,7 +459,8 @@ def load_pretrained(
                 f"{key!r}: the checkpoint holds shape {tuple(stored.size)} but the model has {shape}"
             )
     planner = LayoutLoadPlanner(strict=True, keys=tuple(wanted))  # missing/unexpected handled above
-    dcp_load(wanted, storage_reader=reader, planner=planner, process_group=process_group)
+    with gc_paused():
+        dcp_load(wanted, storage_reader=reader, planner=planner, process_group=process_group)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return PretrainedLoadReport(
         loaded=tuple(sorted(wanted)),

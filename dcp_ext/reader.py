@@ -18,7 +18,9 @@ import io
 import os
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,10 +44,14 @@ from ._metadata_format import (
     load_torch_metadata,
     validate_file_name,
 )
+from ._gc import gc_paused
+from ._frames import FrameSpan, FrameTable, checksum
 from ._ranges import Piece, box_runs, plan_requests, run_starts
 from ._torch_format import tensor_bytes
-from .config import IOConfig
+from .codecs import check_descriptors, decode_frame
+from .config import IOConfig, usable_cores
 from .errors import (
+    ChecksumMismatchError,
     CheckpointCorruptError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
@@ -59,15 +65,34 @@ __all__ = ["CheckpointReader"]
 
 # Above this many runs per slice, read the covering span instead.
 _MAX_RUNS = 4096
+# Frames per thread below which checking/decoding runs in the calling thread.
+_TASKS_PER_THREAD = 4
 
 
 @dataclass
 class _Pending:
-    """One read item: its pieces, and what to do once they have arrived."""
+    """One read item: its pieces, the per-frame work (checksum, decode,
+    scatter) to run once they have arrived, and what to do after that."""
 
     pieces: list[Piece]
     scratch_bytes: int
     finish: Callable[[], None]
+    frame_tasks: list[Callable[[], None]] = field(default_factory=list)
+
+
+@dataclass
+class FrameStats:
+    """What a reader did with frames (for tests and benchmarks).
+
+    Attributes:
+        verified: Frames whose checksum was checked.
+        decoded: Compressed frames decompressed.
+        decoded_bytes: Raw bytes those frames produced.
+    """
+
+    verified: int = 0
+    decoded: int = 0
+    decoded_bytes: int = 0
 
 
 class CheckpointReader(StorageReader):
@@ -94,12 +119,20 @@ class CheckpointReader(StorageReader):
         max_concurrency: Ranged reads in flight per rank.
         read_request_size: Largest single ranged read.
         coalesce_gap: Merge reads whose gap is at most this many bytes.
+        verify_checksums: Check each frame read against its recorded checksum
+            (default on; ``ChecksumMismatchError`` names the file, byte range
+            and tensor on a mismatch).
+
+    Compressed checkpoints need no setting: each item's metadata names its
+    codec, and only the frames covering the requested bytes are read and
+    decompressed, in parallel threads.
 
     Attributes:
         stats: Bytes and requests this reader's store has read (for tests and
             benchmarks): ``reader.store.stats.snapshot()``.
         last_error: The dcp_ext error of the last failed ``read_metadata``;
             DCP rewraps it in an ``AssertionError`` without a cause.
+        frame_stats: Frames verified and decoded since the last ``reset``.
     """
 
     def __init__(
@@ -111,9 +144,11 @@ class CheckpointReader(StorageReader):
         max_concurrency: int | None = None,
         read_request_size: int | str | None = None,
         coalesce_gap: int | str | None = None,
+        verify_checksums: bool | None = None,
     ) -> None:
         super().__init__()
         overrides = {
+            "verify_checksums": verify_checksums,
             "max_concurrency": max_concurrency,
             "read_request_size": read_request_size,
             "coalesce_gap": coalesce_gap,
@@ -128,6 +163,9 @@ class CheckpointReader(StorageReader):
         self._store: Store | None = None
         self._filesystem: Any = None
         self.last_error: BaseException | None = None
+        self.frame_stats = FrameStats()
+        self._stats_lock = threading.Lock()
+        self._tables: dict[MetadataIndex, FrameTable] = {}
 
     @property
     def store(self) -> Store:
@@ -152,6 +190,8 @@ class CheckpointReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
         self._chunks = {}
+        self._tables = {}
+        self.frame_stats = FrameStats()
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP must not retry per rank
         """(all ranks) Read and validate the checkpoint's metadata.
@@ -165,7 +205,8 @@ class CheckpointReader(StorageReader):
         """
         self.last_error = None
         try:
-            metadata = self._read_metadata()
+            with gc_paused():
+                metadata = self._read_metadata()
         except DcpExtError as err:
             self.last_error = err
             raise
@@ -251,6 +292,13 @@ class CheckpointReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """(all ranks) Fetch this rank's slices and hand them to the planner."""
+        with gc_paused():
+            self._read_all(plan, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         budget = self.config.read_buffer_bytes
         batch: list[_Pending] = []
         batch_scratch = 0
@@ -262,9 +310,6 @@ class CheckpointReader(StorageReader):
             batch.append(pending)
             batch_scratch += pending.scratch_bytes
         self._run_batch(batch)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
 
     # -- internals --------------------------------------------------------------
     def _run_batch(self, batch: list[_Pending]) -> None:
@@ -277,6 +322,18 @@ class CheckpointReader(StorageReader):
             max_request=self.config.read_request_size,
         )
         store.read(requests)
+        tasks = [task for pending in batch for task in pending.frame_tasks]
+        threads = min(usable_cores(), len(tasks) // _TASKS_PER_THREAD)
+        if threads > 1:
+            # zstd and xxhash release the GIL: frames are checked and decoded
+            # in parallel, each thread taking a contiguous share (one future
+            # per thread: per-frame futures cost as much as hashing a frame).
+            shares = [tasks[n::threads] for n in range(threads)]
+            with ThreadPoolExecutor(threads, thread_name_prefix="dcp_ext-decode") as pool:
+                for done in [pool.submit(_run_all, share) for share in shares]:
+                    done.result()
+        else:
+            _run_all(tasks)
         for pending in batch:
             pending.finish()
 
@@ -296,13 +353,12 @@ class CheckpointReader(StorageReader):
         if isinstance(info, _StorageInfo):
             return self._prepare_torch_item(read_item, info, planner)
         if read_item.type == LoadItemType.BYTE_IO:
-            buffer = bytearray(info.data_length)
-            piece = Piece(info.relative_path, info.offset + info.data_offset, memoryview(buffer))
+            buffer = bytearray(info.raw_size)
 
             def finish_bytes() -> None:
                 planner.load_bytes(read_item, io.BytesIO(buffer))
 
-            return _Pending([piece], len(buffer), finish_bytes)
+            return self._fetch(read_item, info, [(0, memoryview(buffer))], len(buffer), finish_bytes)
         return self._prepare_tensor(read_item, info, planner)
 
     def _prepare_tensor(self, read_item: ReadItem, info: StoredItem, planner: LoadPlanner) -> _Pending:
@@ -319,9 +375,9 @@ class CheckpointReader(StorageReader):
         offsets = tuple(int(o) for o in read_item.storage_offsets)
         shape = box_runs(chunk_sizes, offsets, lengths)
         esize = dtype.itemsize
-        if info.data_length != _numel(chunk_sizes) * esize:
+        if info.raw_size != _numel(chunk_sizes) * esize:
             raise CheckpointCorruptError(
-                f"checkpoint {self.path}: stored chunk of {fqn!r} has {info.data_length} "
+                f"checkpoint {self.path}: stored chunk of {fqn!r} holds {info.raw_size} "
                 f"bytes, but a {dtype} chunk of shape {chunk_sizes} needs "
                 f"{_numel(chunk_sizes) * esize}",
                 self.path,
@@ -332,8 +388,6 @@ class CheckpointReader(StorageReader):
                 f"cannot load {fqn!r}: the destination slice has shape "
                 f"{tuple(target.shape)} but the checkpoint slice has shape {lengths}"
             )
-        base = info.offset + info.data_offset
-        name = info.relative_path
 
         def commit() -> None:
             planner.commit_tensor(read_item, target)
@@ -349,27 +403,132 @@ class CheckpointReader(StorageReader):
             box = target if direct else torch.empty(lengths, dtype=dtype)
             view = tensor_bytes(box)
             run_bytes = shape.run * esize
-            pieces = [
-                Piece(name, base + start * esize, view[i * run_bytes : (i + 1) * run_bytes])
+            runs = [
+                (start * esize, view[i * run_bytes : (i + 1) * run_bytes])
                 for i, start in enumerate(run_starts(shape, offsets, lengths))
             ]
             if direct:
-                return _Pending(pieces, 0, commit)
+                return self._fetch(read_item, info, runs, 0, commit)
 
             def finish_box() -> None:
                 target.copy_(box)
                 commit()
 
-            return _Pending(pieces, view.nbytes, finish_box)
+            return self._fetch(read_item, info, runs, view.nbytes, finish_box)
         # Many tiny runs: one read of the covering span, then a strided copy.
         span = torch.empty(shape.span, dtype=dtype)
-        piece = Piece(name, base + shape.first * esize, tensor_bytes(span))
 
         def finish_span() -> None:
             target.copy_(span.as_strided(lengths, shape.strides))
             commit()
 
-        return _Pending([piece], shape.span * esize, finish_span)
+        runs = [(shape.first * esize, tensor_bytes(span))]
+        return self._fetch(read_item, info, runs, shape.span * esize, finish_span)
+
+    # -- frames -------------------------------------------------------------------
+    def _fetch(
+        self,
+        read_item: ReadItem,
+        info: StoredItem,
+        runs: list[tuple[int, memoryview]],
+        scratch_bytes: int,
+        finish: Callable[[], None],
+    ) -> _Pending:
+        """Read raw bytes ``[start, start + len(dest))`` of a stored item into
+        each ``(start, dest)`` of ``runs``.
+
+        Uncompressed data without verification is read straight into the
+        destinations. Otherwise every frame covering a run is read whole:
+        frames that a single destination covers exactly land in it and are
+        checksummed there; the others go through a scratch buffer, are
+        checked, decompressed if needed, and copied out.
+        """
+        name = info.relative_path
+        verify = self.config.verify_checksums and bool(info.checksums)
+        if not info.transforms and (not verify or not info.frame_size):
+            base = info.offset + info.data_offset
+            return _Pending([Piece(name, base + start, dest) for start, dest in runs], scratch_bytes, finish)
+        table = self._frame_table(read_item.storage_index, info)
+        parts: dict[int, list[tuple[int, memoryview]]] = {}
+        size = table.frame_size
+        for start, dest in runs:
+            end = start + dest.nbytes
+            for k in table.covering(start, end):
+                lo, hi = max(start, k * size), min(end, (k + 1) * size)
+                parts.setdefault(k, []).append((lo - k * size, dest[lo - start : hi - start]))
+        pieces: list[Piece] = []
+        tasks: list[Callable[[], None]] = []
+        for k, frame_parts in parts.items():
+            frame = table.frame(k)
+            whole = len(frame_parts) == 1 and frame_parts[0][1].nbytes == frame.raw_length
+            if whole and not info.transforms:
+                dest = frame_parts[0][1]
+                pieces.append(Piece(name, frame.stored_offset, dest))
+                tasks.append(_bind(self._check_frame, read_item, info, frame, dest))
+                continue
+            stored = memoryview(bytearray(frame.stored_length))
+            scratch_bytes += frame.stored_length + (frame.raw_length if info.transforms else 0)
+            pieces.append(Piece(name, frame.stored_offset, stored))
+            tasks.append(_bind(self._decode_frame, read_item, info, frame, stored, frame_parts))
+        return _Pending(pieces, scratch_bytes, finish, tasks)
+
+    def _frame_table(self, index: MetadataIndex, info: StoredItem) -> FrameTable:
+        table = self._tables.get(index)
+        if table is None:
+            if info.transforms:
+                check_descriptors(info.transforms, self.store.describe(info.relative_path))
+            table = self._tables[index] = FrameTable(info)
+        return table
+
+    def _check_frame(self, read_item: ReadItem, info: StoredItem, frame: FrameSpan, stored: memoryview) -> None:
+        if frame.checksum is None or not self.config.verify_checksums:
+            return
+        actual = checksum(stored)
+        with self._stats_lock:
+            self.frame_stats.verified += 1
+        if actual != frame.checksum:
+            raise ChecksumMismatchError(
+                _frame_problem(
+                    self.store.describe(info.relative_path), read_item.storage_index, frame,
+                    f"fail their checksum (xxh3-64 recorded {frame.checksum:016x}, read {actual:016x})",
+                ),
+                self.store.describe(info.relative_path),
+            )
+
+    def _decode_frame(
+        self,
+        read_item: ReadItem,
+        info: StoredItem,
+        frame: FrameSpan,
+        stored: memoryview,
+        parts: list[tuple[int, memoryview]],
+    ) -> None:
+        self._check_frame(read_item, info, frame, stored)
+        if not info.transforms:
+            for pos, dest in parts:
+                dest[:] = stored[pos : pos + dest.nbytes]
+            return
+        whole = len(parts) == 1 and parts[0][1].nbytes == frame.raw_length
+        raw = parts[0][1] if whole else memoryview(bytearray(frame.raw_length))
+        try:
+            decode_frame(info.transforms, stored, raw)
+        except DcpExtError:
+            raise
+        except Exception as err:
+            where = self.store.describe(info.relative_path)
+            raise CheckpointCorruptError(
+                _frame_problem(
+                    where, read_item.storage_index, frame,
+                    f"do not decode with {list(info.transforms)} ({type(err).__name__}: {err})",
+                ),
+                where,
+            ) from err
+        with self._stats_lock:
+            self.frame_stats.decoded += 1
+            self.frame_stats.decoded_bytes += frame.raw_length
+        if not whole:
+            for pos, dest in parts:
+                dest[:] = raw[pos : pos + dest.nbytes]
 
     def _prepare_torch_item(self, read_item: ReadItem, info: _StorageInfo, planner: LoadPlanner) -> _Pending:
         """An item written by torch's own writers: read it whole and decode it."""
@@ -417,3 +576,27 @@ def _numel(sizes: tuple[int, ...]) -> int:
     for s in sizes:
         n *= s
     return n
+
+
+def _run_all(tasks: list[Callable[[], None]]) -> None:
+    for task in tasks:
+        task()
+
+
+def _bind(fn: Callable[..., None], *args: Any) -> Callable[[], None]:
+    def task() -> None:
+        fn(*args)
+
+    return task
+
+
+def _frame_problem(where: str, index: MetadataIndex, frame: FrameSpan, what: str) -> str:
+    """The message for a damaged frame: file, byte range, key, what to do."""
+    at = f" at offset {tuple(index.offset)}" if index.offset is not None else ""
+    end = frame.stored_offset + frame.stored_length
+    return (
+        f"{where}: bytes [{frame.stored_offset}, {end}) {what}; they hold frame "
+        f"{frame.index + 1} of {frame.count} of {index.fqn!r}{at}. The file was damaged after "
+        f"it was written: restore it from a copy or load an earlier checkpoint "
+        f"(dcp_ext.verify lists every damaged frame)."
+    )

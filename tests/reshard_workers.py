@@ -19,7 +19,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dcp_ext
-from dcp_ext import CheckpointManager, CheckpointReader, LayoutLoadPlanner
+from dcp_ext import CheckpointManager, CheckpointReader, IOConfig, LayoutLoadPlanner
+
+# Frames of the "big" checkpoints: 16 rows of a 512-column fp32 tensor.
+SMALL_FRAME = 32 * 1024
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -93,8 +96,13 @@ def save_world(rank: int, world_size: int, root: str) -> None:
         model = build("fsdp2", 0, big(0))
         optim = torch.optim.Adam(model.parameters(), lr=0.01)
         train("fsdp2", model, optim, steps=1, width=512)
-        CheckpointManager(f"{root}/big4").save("s", model, optim)
+        small_frames = IOConfig(frame_size=SMALL_FRAME)
+        CheckpointManager(f"{root}/big4", config=small_frames).save("s", model, optim)
+        CheckpointManager(f"{root}/bigz4", config=small_frames, compression="zstd").save("s", model, optim)
         CheckpointManager(f"{root}/bigmodel4").save("s", model)  # model only
+        ref = full_state(model, optim)
+        if rank == 0:
+            torch.save(ref, f"{root}/big4.ref.pt")
 
 
 def diff(expected: Any, actual: Any, path: str = "") -> list[str]:
@@ -150,17 +158,39 @@ def load_world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     for source, kind, via in CASES[world_size]:
         out["diffs"][f"{source}->{kind}{world_size}({via})"] = load_case(root, source, kind, via)
     if world_size in (2, 3):
-        # Bytes read by each rank in a 4 -> M reshard of a 12 MiB checkpoint.
-        model = build("fsdp2", 5, big(5))
-        optim = torch.optim.Adam(model.parameters(), lr=0.01)
-        train("fsdp2", model, optim, steps=1, width=512)
-        manager = CheckpointManager(f"{root}/big4")
-        manager.resume(model, optim)
-        assert manager.last_reader is not None and manager.last_load_planner is not None
-        out["bytes_read"] = manager.last_reader.store.stats.snapshot().bytes_read
-        out["fast_path"] = manager.last_load_planner.fast_path_keys
-        meta = manager.last_reader.read_metadata()
-        out["total"] = sum(i.data_length for i in meta.storage_data.values())
+        # Bytes read by each rank in a 4 -> M reshard of a 12 MiB checkpoint:
+        # exact byte ranges without checksum verification, whole 32 KiB frames
+        # with it (the default), and whole compressed frames.
+        sources = ("big4", "bigz4") if world_size == 3 else ("big4",)
+        for source in sources:
+            for verify in (False, True) if source == "big4" else (True,):
+                model = build("fsdp2", 5, big(5))
+                optim = torch.optim.Adam(model.parameters(), lr=0.01)
+                train("fsdp2", model, optim, steps=1, width=512)
+                # bigz4: no hole merging, so bytes read show exactly which
+                # frames were fetched (compressed frames here are ~30 KB, and
+                # the default 64 KiB local gap would read through the 1-2
+                # frames between one tensor's rows and the next tensor's).
+                gap = 0 if source == "bigz4" else None
+                config = IOConfig(verify_checksums=verify, coalesce_gap=gap)
+                manager = CheckpointManager(f"{root}/{source}", config=config)
+                manager.resume(model, optim)
+                reader, planner = manager.last_reader, manager.last_load_planner
+                assert reader is not None and planner is not None
+                meta = reader.read_metadata()
+                got = full_state(model, optim)
+                out[f"{source}/{verify}"] = {
+                    "bytes_read": reader.store.stats.snapshot().bytes_read,
+                    "verified": reader.frame_stats.verified,
+                    "decoded": reader.frame_stats.decoded,
+                    "decoded_bytes": reader.frame_stats.decoded_bytes,
+                    "fast_path": planner.fast_path_keys,
+                    "stored": sum(i.data_length for i in meta.storage_data.values()),
+                    "raw": sum(i.raw_size for i in meta.storage_data.values()),
+                    "frames": sum(len(i.checksums) for i in meta.storage_data.values()),
+                    "diff": diff(torch.load(f"{root}/big4.ref.pt", weights_only=False), got)
+                    if rank == 0 else [],
+                }
     if world_size == 4:
         # Same partition: each rank reads only its own file, no overlap planning.
         model = build("fsdp2", 5, big(5))

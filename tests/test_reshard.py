@@ -11,6 +11,7 @@ import torch
 import dcp_ext
 import reshard_workers
 from dist import run_world
+from reshard_workers import SMALL_FRAME
 
 
 def test_resharding_matrix(tmp_path: Path) -> None:
@@ -31,11 +32,33 @@ def test_resharding_matrix(tmp_path: Path) -> None:
 
     # 4 -> 2 and 4 -> 3: each rank reads about 1/M of the data, not whole files.
     for world in (2, 3):
-        total = reports[world][0]["total"]
-        per_rank = [r["bytes_read"] for r in reports[world]]
+        exact = [r["big4/False"] for r in reports[world]]
+        total = exact[0]["stored"]
+        per_rank = [r["bytes_read"] for r in exact]
         assert sum(per_rank) >= total
         assert max(per_rank) <= total / world * 1.1 + 128 * 1024, (world, per_rank, total)
-        assert all(r["fast_path"] == 0 for r in reports[world])  # partition changed
+        assert all(r["fast_path"] == 0 and r["verified"] == 0 for r in exact)  # partition changed
+        # With checksum verification each rank reads whole 32 KiB frames: at
+        # most one extra frame at each end of its rows of each 512-row tensor
+        # (12 of them: 4 weights, 4 exp_avg, 4 exp_avg_sq).
+        checked = [r["big4/True"] for r in reports[world]]
+        per_rank = [r["bytes_read"] for r in checked]
+        assert max(per_rank) <= total / world * 1.1 + 128 * 1024 + 2 * 12 * SMALL_FRAME, (world, per_rank)
+        assert sum(r["verified"] for r in checked) >= checked[0]["frames"]  # every frame somewhere
+        assert all(r["verified"] < checked[0]["frames"] / world * 1.5 for r in checked)
+        assert all(not r["diff"] for r in checked + exact)
+    # 4 -> 3 from a zstd-compressed checkpoint: bit-exact, each rank reads and
+    # decompresses only the frames covering its rows.
+    compressed = [r["bigz4/True"] for r in reports[3]]
+    assert not compressed[0]["diff"]
+    stored, raw, frames = compressed[0]["stored"], compressed[0]["raw"], compressed[0]["frames"]
+    assert stored < raw  # it is compressed
+    assert sum(r["decoded"] for r in compressed) >= frames
+    for r in compressed:
+        assert r["decoded"] == r["verified"] <= frames / 3 + 2 * 12 + 24, compressed  # + boundary frames, small tensors read whole
+        assert r["decoded_bytes"] <= raw / 3 * 1.1 + 2 * 12 * SMALL_FRAME
+        assert r["bytes_read"] <= stored / 3 * 1.1 + 2 * 12 * SMALL_FRAME, compressed
+
     # 4 -> 4, same partition: each rank read only its own file, every tensor by the fast path.
     for rank, report in enumerate(reports[4]):
         assert report["files_read"] == [f"model_rank{rank}.distcp"]

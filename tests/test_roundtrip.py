@@ -137,13 +137,22 @@ def test_slice_of_a_stored_tensor_reads_only_that_slice(tmp_path) -> None:
             return LoadPlan([item])
 
     out = {"w": torch.zeros(256, 256)}
-    reader = CheckpointReader(url)
+    reader = CheckpointReader(url, verify_checksums=False)
     dcp.load(out, storage_reader=reader, planner=SlicePlanner())
     assert torch.equal(out["w"], weight[512:768, 128:384])
     snap = reader.store.stats.snapshot()
     # 256 rows of 1 KiB runs with 1 KiB gaps: read as one covering span,
     # about 2x the slice, never the 4 MiB tensor.
     assert snap.bytes_read < 2 * 256 * 256 * 4 + 4096, snap
+    # With checksum verification (the default) the reader reads the whole
+    # 1 MiB frames covering the span (rows 512-767 are bytes [1, 1.5) MiB),
+    # verifies them, and still not the 4 MiB tensor.
+    out["w"].zero_()
+    reader = CheckpointReader(url)
+    dcp.load(out, storage_reader=reader, planner=SlicePlanner())
+    assert torch.equal(out["w"], weight[512:768, 128:384])
+    assert reader.store.stats.snapshot().bytes_read == 1 << 20
+    assert reader.frame_stats.verified == 1
 
 
 def test_interop_with_torch_writers_and_readers(make_backend) -> None:
@@ -178,7 +187,7 @@ def test_metadata_is_json_and_written_last(tmp_path) -> None:
     url = tmp_path / "ck"
     dcp.save({"w": torch.arange(10.0)}, storage_writer=CheckpointWriter(url))
     doc = json.loads((url / "dcp_ext.metadata.json").read_text())
-    assert doc["format"] == "dcp_ext" and doc["version"] == 1
+    assert doc["format"] == "dcp_ext" and doc["version"] == 2
     assert doc["state_dict"]["w"] == {
         "kind": "tensor", "dtype": "float32", "size": [10], "requires_grad": False,
         "chunks": [{"offsets": [0], "sizes": [10]}],

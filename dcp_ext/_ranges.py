@@ -10,7 +10,8 @@ large ones so several requests run in parallel.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 # Holes up to this size are always read through (torch.save envelopes, padding).
@@ -21,11 +22,17 @@ __all__ = ["Piece", "ReadRequest", "plan_requests", "box_runs", "run_starts", "B
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Piece:
-    """``length`` bytes at ``offset`` of file ``name``, to be copied into ``dest``."""
+    """``length`` bytes at ``offset`` of file ``name``, to be copied into ``dest``.
+
+    Attributes:
+        on_done: Called once ``dest`` holds the bytes, by the thread that read
+            them (checksums run there, while the bytes are still in cache).
+    """
 
     name: str
     offset: int
     dest: memoryview
+    on_done: Callable[[], None] | None = None
 
     @property
     def length(self) -> int:
@@ -44,12 +51,15 @@ class ReadRequest:
         targets: ``(position within this request, destination)`` pairs. The
             destinations may overlap the request only partly and never extend
             beyond it.
+        on_done: Callbacks of the pieces this request completes; the store
+            runs them after the bytes landed (see :meth:`Store.read`).
     """
 
     name: str
     offset: int
     length: int
     targets: tuple[tuple[int, memoryview], ...]
+    on_done: tuple[Callable[[], None], ...] = ()
 
     @property
     def is_direct(self) -> bool:
@@ -94,7 +104,30 @@ def plan_requests(
 def _group_request(name: str, group: list[Piece]) -> ReadRequest:
     start = group[0].offset
     end = max(p.end for p in group)
-    return ReadRequest(name, start, end - start, tuple((p.offset - start, p.dest) for p in group))
+    return ReadRequest(
+        name,
+        start,
+        end - start,
+        tuple((p.offset - start, p.dest) for p in group),
+        tuple(p.on_done for p in group if p.on_done is not None),
+    )
+
+
+class _AfterAll:
+    """Runs a piece's callback once every request it was split into is done
+    (they may complete in any order, on different threads)."""
+
+    def __init__(self, parts: int, callback: Callable[[], None]) -> None:
+        self._left = parts
+        self._callback = callback
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._callback()
 
 
 def _merge_file(name: str, pieces: list[Piece], gap: int, max_request: int) -> list[ReadRequest]:
@@ -107,9 +140,11 @@ def _merge_file(name: str, pieces: list[Piece], gap: int, max_request: int) -> l
             if group:
                 requests.append(_group_request(name, group))
                 group = []
-            for pos in range(0, piece.length, max_request):
+            parts = range(0, piece.length, max_request)
+            done = () if piece.on_done is None else (_AfterAll(len(parts), piece.on_done),)
+            for pos in parts:
                 dest = piece.dest[pos : pos + max_request]
-                requests.append(ReadRequest(name, piece.offset + pos, dest.nbytes, ((0, dest),)))
+                requests.append(ReadRequest(name, piece.offset + pos, dest.nbytes, ((0, dest),), done))
             continue
         hole = piece.offset - end
         # A hole is read through only if it is small in absolute terms (gap)

@@ -462,14 +462,20 @@ class CheckpointReader(StorageReader):
             frame = table.frame(k)
             whole = len(frame_parts) == 1 and frame_parts[0][1].nbytes == frame.raw_length
             if whole and not info.transforms:
+                # Straight into the destination; checked by the reading thread
+                # while the bytes are still in cache.
                 dest = frame_parts[0][1]
-                pieces.append(Piece(name, frame.stored_offset, dest))
-                tasks.append(_bind(self._check_frame, read_item, info, frame, dest))
+                check = _bind(self._check_frame, read_item, info, frame, dest)
+                pieces.append(Piece(name, frame.stored_offset, dest, check))
                 continue
             stored = memoryview(bytearray(frame.stored_length))
             scratch_bytes += frame.stored_length + (frame.raw_length if info.transforms else 0)
-            pieces.append(Piece(name, frame.stored_offset, stored))
-            tasks.append(_bind(self._decode_frame, read_item, info, frame, stored, frame_parts))
+            decode = _bind(self._decode_frame, read_item, info, frame, stored, frame_parts)
+            if info.transforms:  # decompression: spread over all cores after the reads
+                pieces.append(Piece(name, frame.stored_offset, stored))
+                tasks.append(decode)
+            else:  # a partly needed raw frame: check and copy out in the reading thread
+                pieces.append(Piece(name, frame.stored_offset, stored, decode))
         return _Pending(pieces, scratch_bytes, finish, tasks)
 
     def _frame_table(self, index: MetadataIndex, info: StoredItem) -> FrameTable:

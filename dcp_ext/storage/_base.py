@@ -206,7 +206,8 @@ class Store(ABC):
         """
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        """Run ranged reads in parallel; each fills its targets exactly.
+        """Run ranged reads in parallel; each fills its targets exactly, then
+        its ``on_done`` callbacks run on the thread that read it.
 
         Raises:
             CheckpointCorruptError: A file ended before the requested range.
@@ -216,7 +217,13 @@ class Store(ABC):
 
     @abstractmethod
     def _run_reads(self, requests: Sequence[ReadRequest]) -> None:
-        """Backend part of :meth:`read`."""
+        """Backend part of :meth:`read`; calls :meth:`_finished` per request."""
+
+    def _finished(self, request: ReadRequest) -> None:
+        """(backends) A request's bytes are all in place."""
+        self.stats.add_read(request.name, request.length)
+        for callback in request.on_done:
+            callback()
 
     def _short_read(self, name: str, offset: int, wanted: int, got: int) -> CheckpointCorruptError:
         return CheckpointCorruptError(

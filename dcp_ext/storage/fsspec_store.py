@@ -155,7 +155,7 @@ class FsspecStore(Store):
             request.targets[0][1][:] = data
         else:
             scatter(request, memoryview(data))
-        self.stats.add_read(request.name, request.length)
+        self._finished(request)
 
     def _fetch_sync(self, request: ReadRequest) -> None:
         where = self.describe(request.name)

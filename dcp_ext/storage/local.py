@@ -312,7 +312,7 @@ class LocalStore(Store):
                     raise self._short_read(name, request.offset, request.length, got)
                 if buffer is not None:
                     scatter(request, buffer)
-                self.stats.add_read(name, request.length)
+                self._finished(request)
         except OSError as err:
             raise translate_os_error(err, where, "reading") from err
         finally:

@@ -364,7 +364,7 @@ class S3Store(Store):
             raise translate_s3_error(err, where, "reading") from err
         if buffer is not None:
             scatter(request, buffer)
-        self.stats.add_read(request.name, request.length)
+        self._finished(request)
 
     def _run_reads(self, requests: Sequence[ReadRequest]) -> None:
         workers = min(self.config.max_concurrency, len(requests))

@@ -18,9 +18,10 @@ import io
 import os
 import uuid
 from collections.abc import Callable
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,19 +66,75 @@ __all__ = ["CheckpointReader"]
 
 # Above this many runs per slice, read the covering span instead.
 _MAX_RUNS = 4096
-# Frames per thread below which checking/decoding runs in the calling thread.
-_TASKS_PER_THREAD = 4
 
 
 @dataclass
 class _Pending:
-    """One read item: its pieces, the per-frame work (checksum, decode,
-    scatter) to run once they have arrived, and what to do after that."""
+    """One read item: its pieces, and what to do once they (and the work on
+    their frames) are done."""
 
     pieces: list[Piece]
     scratch_bytes: int
     finish: Callable[[], None]
-    frame_tasks: list[Callable[[], None]] = field(default_factory=list)
+
+
+class _FrameWork:
+    """Worker threads for frame checksums and decompression (xxhash and zstd
+    release the GIL), fed from the reading threads through a queue (a future
+    per frame costs about as much as hashing it); :meth:`wait` returns once
+    everything submitted so far is done and raises the first error."""
+
+    def __init__(self, threads: int) -> None:
+        self._threads = threads
+        self._queue: queue.SimpleQueue[Callable[[], None] | threading.Barrier | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        if not self._workers:
+            with self._lock:
+                if not self._workers:
+                    for n in range(self._threads):
+                        worker = threading.Thread(target=self._run, name=f"dcp_ext-frames-{n}", daemon=True)
+                        worker.start()
+                        self._workers.append(worker)
+        self._queue.put(task)
+
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            if isinstance(task, threading.Barrier):
+                # Every worker holds one barrier token only after finishing
+                # all it took before: the queue is FIFO.
+                task.wait()
+                continue
+            if self._errors:
+                continue  # a frame failed: drain the rest without work
+            try:
+                task()
+            except BaseException as err:
+                self._errors.append(err)
+
+    def wait(self) -> None:
+        if self._workers:
+            barrier = threading.Barrier(len(self._workers) + 1)
+            for _ in self._workers:
+                self._queue.put(barrier)
+            barrier.wait()
+        if self._errors:
+            error = self._errors[0]
+            self._errors = []
+            raise error
+
+    def close(self) -> None:
+        for _ in self._workers:
+            self._queue.put(None)
+        for worker in self._workers:
+            worker.join()
+        self._workers = []
 
 
 @dataclass
@@ -166,6 +223,7 @@ class CheckpointReader(StorageReader):
         self.frame_stats = FrameStats()
         self._stats_lock = threading.Lock()
         self._tables: dict[MetadataIndex, FrameTable] = {}
+        self._work = _FrameWork(1)
 
     @property
     def store(self) -> Store:
@@ -302,14 +360,18 @@ class CheckpointReader(StorageReader):
         budget = self.config.read_buffer_bytes
         batch: list[_Pending] = []
         batch_scratch = 0
-        for read_item in plan.items:
-            pending = self._prepare(read_item, planner)
-            if batch and batch_scratch + pending.scratch_bytes > budget:
-                self._run_batch(batch)
-                batch, batch_scratch = [], 0
-            batch.append(pending)
-            batch_scratch += pending.scratch_bytes
-        self._run_batch(batch)
+        self._work = _FrameWork(usable_cores())
+        try:
+            for read_item in plan.items:
+                pending = self._prepare(read_item, planner)
+                if batch and batch_scratch + pending.scratch_bytes > budget:
+                    self._run_batch(batch)
+                    batch, batch_scratch = [], 0
+                batch.append(pending)
+                batch_scratch += pending.scratch_bytes
+            self._run_batch(batch)
+        finally:
+            self._work.close()
 
     # -- internals --------------------------------------------------------------
     def _run_batch(self, batch: list[_Pending]) -> None:
@@ -322,18 +384,7 @@ class CheckpointReader(StorageReader):
             max_request=self.config.read_request_size,
         )
         store.read(requests)
-        tasks = [task for pending in batch for task in pending.frame_tasks]
-        threads = min(usable_cores(), len(tasks) // _TASKS_PER_THREAD)
-        if threads > 1:
-            # zstd and xxhash release the GIL: frames are checked and decoded
-            # in parallel, each thread taking a contiguous share (one future
-            # per thread: per-frame futures cost as much as hashing a frame).
-            shares = [tasks[n::threads] for n in range(threads)]
-            with ThreadPoolExecutor(threads, thread_name_prefix="dcp_ext-decode") as pool:
-                for done in [pool.submit(_run_all, share) for share in shares]:
-                    done.result()
-        else:
-            _run_all(tasks)
+        self._work.wait()
         for pending in batch:
             pending.finish()
 
@@ -456,27 +507,29 @@ class CheckpointReader(StorageReader):
             for k in table.covering(start, end):
                 lo, hi = max(start, k * size), min(end, (k + 1) * size)
                 parts.setdefault(k, []).append((lo - k * size, dest[lo - start : hi - start]))
+        # Raw frames are checked by the thread that read them, at once, while
+        # the bytes are in cache (measured: 20 ms per GiB over an unverified
+        # page-cache load, against 40 ms handing them to other threads).
+        # Compressed frames go to worker threads as soon as they land, so
+        # decompression overlaps the reads that follow.
         pieces: list[Piece] = []
-        tasks: list[Callable[[], None]] = []
+        submit = self._work.submit
         for k, frame_parts in parts.items():
             frame = table.frame(k)
             whole = len(frame_parts) == 1 and frame_parts[0][1].nbytes == frame.raw_length
-            if whole and not info.transforms:
-                # Straight into the destination; checked by the reading thread
-                # while the bytes are still in cache.
+            if whole and not info.transforms:  # straight into the destination
                 dest = frame_parts[0][1]
                 check = _bind(self._check_frame, read_item, info, frame, dest)
                 pieces.append(Piece(name, frame.stored_offset, dest, check))
                 continue
             stored = memoryview(bytearray(frame.stored_length))
-            scratch_bytes += frame.stored_length + (frame.raw_length if info.transforms else 0)
+            # Stored bytes wait in scratch; a compressed frame needs a raw
+            # scratch buffer too unless one destination takes all of it.
+            scratch_bytes += frame.stored_length + (frame.raw_length if info.transforms and not whole else 0)
             decode = _bind(self._decode_frame, read_item, info, frame, stored, frame_parts)
-            if info.transforms:  # decompression: spread over all cores after the reads
-                pieces.append(Piece(name, frame.stored_offset, stored))
-                tasks.append(decode)
-            else:  # a partly needed raw frame: check and copy out in the reading thread
-                pieces.append(Piece(name, frame.stored_offset, stored, decode))
-        return _Pending(pieces, scratch_bytes, finish, tasks)
+            done = _bind(submit, decode) if info.transforms else decode
+            pieces.append(Piece(name, frame.stored_offset, stored, done))
+        return _Pending(pieces, scratch_bytes, finish)
 
     def _frame_table(self, index: MetadataIndex, info: StoredItem) -> FrameTable:
         table = self._tables.get(index)
@@ -582,11 +635,6 @@ def _numel(sizes: tuple[int, ...]) -> int:
     for s in sizes:
         n *= s
     return n
-
-
-def _run_all(tasks: list[Callable[[], None]]) -> None:
-    for task in tasks:
-        task()
 
 
 def _bind(fn: Callable[..., None], *args: Any) -> Callable[[], None]:

@@ -32,6 +32,11 @@ def test_resharding_matrix(tmp_path: Path) -> None:
 
     # 4 -> 2 and 4 -> 3: each rank reads about 1/M of the data, not whole files.
     for world in (2, 3):
+        for mode in ("big4/False", "big4/True") + (("bigz4/True",) if world == 3 else ()):
+            rows = [r[mode] for r in reports[world]]
+            print(f"4 -> {world} {mode}: stored {rows[0]['stored']} raw {rows[0]['raw']} frames "
+                  f"{rows[0]['frames']}; per rank bytes read {[r['bytes_read'] for r in rows]}, frames "
+                  f"verified {[r['verified'] for r in rows]}, decoded {[r['decoded'] for r in rows]}")
         exact = [r["big4/False"] for r in reports[world]]
         total = exact[0]["stored"]
         per_rank = [r["bytes_read"] for r in exact]

@@ -4,7 +4,8 @@
    ``bench/state.py``, FSDP2 ``Shard(0)``) is saved by 4 ranks with
    ``CheckpointManager``, then loaded at 4 ranks (the same partition), 2 and 1
    with dcp_ext (``CheckpointReader`` + ``LayoutLoadPlanner`` given the
-   checkpoint's ``partition.json``) and with torch's ``FileSystemReader`` +
+   checkpoint's ``partition.json``, under the GC pause that ``dcp_ext.load``
+   applies; checksums verified) and with torch's ``FileSystemReader`` +
    ``DefaultLoadPlanner``, alternating, each world fresh. Per rank: wall time
    (barrier to barrier; the checkpoint is in the page cache for both), bytes
    read (dcp_ext: counted by its store; torch: the byte length of every
@@ -120,7 +121,15 @@ def load_world(rank: int, world_size: int, root: str, size: int, method: str) ->
         planner = None
     dist.barrier()
     start = time.perf_counter()
-    dcp_load(state, storage_reader=reader, planner=planner)
+    if method == "dcp_ext":
+        # Exactly what dcp_ext.load / CheckpointManager.resume do around
+        # dcp.load: pause the cyclic GC (see dcp_ext/_gc.py).
+        from dcp_ext._gc import gc_paused
+
+        with gc_paused():
+            dcp_load(state, storage_reader=reader, planner=planner)
+    else:
+        dcp_load(state, storage_reader=reader, planner=planner)
     dist.barrier()
     elapsed = time.perf_counter() - start
     if method == "dcp_ext":

@@ -44,6 +44,7 @@ from .errors import (
     unwrap_checkpoint_exception,
 )
 from .codecs import Codec, resolve_codec
+from ._failpoints import crash_point
 from ._gc import gc_paused
 from .full import FULL_FORMATS, full_layout, spec_of, stream_full_checkpoint
 from .layout import (
@@ -350,6 +351,7 @@ class CheckpointManager:
 
     def _after_commit(self, tag: str, keep: int | None) -> str | None:
         """(coordinator) Move ``newest``, then apply retention; returns an error text."""
+        crash_point("before_newest")
         try:
             self._root_store.write_file(NEWEST_FILE, f"{tag}\n".encode())
         except DcpExtError as err:
@@ -554,6 +556,7 @@ class CheckpointManager:
         # mistaken for a committed one.
         for name in _OWN_FILES:
             store.delete(name)
+        crash_point("mid_retention")
         for name in store.list_names():
             if name.endswith(DATA_SUFFIX) or TMP_MARK in name:
                 store.delete(name)

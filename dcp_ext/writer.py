@@ -45,6 +45,7 @@ from ._metadata_format import (
     encode_metadata,
     to_torch_metadata,
 )
+from ._failpoints import crash_point
 from ._frames import checksum
 from ._torch_format import DTYPES, tensor_bytes, torch_save_envelope
 from .codecs import Codec, resolve_codec
@@ -274,6 +275,7 @@ class CheckpointWriter(StorageWriter):
             )
         store = self.store
         files = assignment.files_for(list(plan.items), self.config.files_per_rank)
+        crash_point("before_data")
 
         results: list[WriteResult] = []
         if len(files) == 1:
@@ -292,6 +294,7 @@ class CheckpointWriter(StorageWriter):
                         errors.append(err)
                 if errors:
                     raise errors[0]
+        crash_point("after_data")
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -302,7 +305,11 @@ class CheckpointWriter(StorageWriter):
         size_hint = sum(_item_nbytes(i) + _ENVELOPE_ESTIMATE for i in items)
         with store.open_writer(name, size_hint=size_hint) as writer:
             if self.codec is None:
-                results = [self._write_raw_item(writer, name, item, planner) for item in items]
+                results = []
+                for item in items:
+                    results.append(self._write_raw_item(writer, name, item, planner))
+                    if len(results) == 1:
+                        crash_point("mid_data")
             else:
                 results = self._write_encoded_items(writer, name, items, planner, self.codec)
             writer.commit()
@@ -382,6 +389,8 @@ class CheckpointWriter(StorageWriter):
                 checksums=tuple(entry.sums),
             )
             results.append(WriteResult(index=entry.item.index, size_in_bytes=length, storage_data=stored))
+            if len(results) == 1:
+                crash_point("mid_data")
 
         pending: deque[tuple[_Open, _TaskFuture[tuple[bytes, int]] | None]] = deque()
 
@@ -421,6 +430,7 @@ class CheckpointWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Write the metadata, which commits the checkpoint."""
+        crash_point("before_metadata")
         store = self.store
         items: dict[MetadataIndex, StoredItem] = {}
         for rank_results in results:

@@ -356,14 +356,37 @@ class CheckpointManager:
             self._root_store.write_file(NEWEST_FILE, f"{tag}\n".encode())
         except DcpExtError as err:
             return f"updating {NEWEST_FILE} failed: {err}"
-        if keep is None:
-            return None
+        if keep is not None:
+            try:
+                for doomed in select_for_deletion(self.committed(), keep, protect={tag}):
+                    self._delete_partial(doomed)
+            except DcpExtError as err:
+                return f"retention failed: {err}"
         try:
-            for doomed in select_for_deletion(self.committed(), keep, protect={tag}):
-                self._delete_partial(doomed)
-        except DcpExtError as err:
-            return f"retention failed: {err}"
+            self._remove_leftovers(tag)
+        except DcpExtError as err:  # the checkpoint is committed; this is tidying
+            log.warning("could not remove leftovers under %s: %s", self._root_store.url, err)
         return None
+
+    def _remove_leftovers(self, current: str) -> None:
+        """(coordinator, after a commit) Delete what crashed saves left: partial
+        directories that never committed (no metadata) and temporary files in
+        the root. One job saves to a root at a time (as with SageMaker); the
+        tag being saved is never touched."""
+        for name in self._root_store.list_names():
+            if TMP_MARK in name:
+                self._root_store.delete(name)
+        for name in self._root_store.list_dirs():
+            if not name.endswith(PARTIAL_SUFFIX) or name == partial_dir(current):
+                continue
+            tag = name[: -len(PARTIAL_SUFFIX)]
+            try:
+                validate_tag(tag)
+            except DcpExtError:
+                continue  # not ours
+            if not self._store(name).exists(METADATA_FILE):
+                log.info("removing %s: a save that never committed", name)
+                self._delete_partial(tag)
 
     def _save_full(
         self,

@@ -1,0 +1,82 @@
+"""A 2-rank training job that saves one checkpoint, for crash-consistency trials.
+
+``python tests/crash_job.py ROOT STEP CRASH`` saves ``step{STEP}`` under ROOT with
+``CheckpointManager`` (FSDP2 over 2 gloo ranks, keep 2) and exits 0. CRASH
+says how to die on the way:
+
+* ``none``: no crash;
+* ``{rank|all}:{point}``: SIGKILL at crash point ``point`` (see
+  ``dcp_ext/_failpoints.py``) on one rank or on every rank;
+* ``{rank|all}:random:{seconds}``: SIGKILL that rank (or the whole job's
+  process group) that many seconds after the save starts.
+
+The model's weights are a pure function of STEP (:func:`make_model`), so the
+driver can check any checkpoint bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+KEEP = 2
+
+
+def make_model(step: int):  # type: ignore[no-untyped-def]
+    import torch
+    from torch import nn
+
+    torch.manual_seed(step)
+    # 4.3 MB of weights: several data-file items per rank, so "mid data"
+    # and random-time kills land inside the data.
+    return nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512), nn.Linear(512, 64))
+
+
+def _arm(rank: int, crash: str) -> None:
+    if crash == "none":
+        return
+    who, _, what = crash.partition(":")
+    if who not in ("all", str(rank)):
+        return
+    if what.startswith("random:"):
+        delay = float(what.split(":", 1)[1])
+        target = os.getpgrp() if who == "all" else os.getpid()
+
+        def kill() -> None:
+            if who == "all":
+                os.killpg(target, signal.SIGKILL)
+            os.kill(target, signal.SIGKILL)
+
+        timer = threading.Timer(delay, kill)
+        timer.daemon = True
+        timer.start()
+        return
+    os.environ["DCP_EXT_CRASH_AT"] = what
+    from dcp_ext import _failpoints
+
+    _failpoints.reload()
+
+
+def job(rank: int, world_size: int, root: str, step: int, crash: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dcp_ext
+
+    model = make_model(step)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    _arm(rank, crash)
+    dcp_ext.CheckpointManager(root).save(
+        f"step{step}", model, user_content={"step": step}, num_kept_partial_checkpoints=KEEP
+    )
+
+
+if __name__ == "__main__":
+    from dist import run_world
+
+    run_world(2, job, sys.argv[1], int(sys.argv[2]), sys.argv[3], timeout=120.0)

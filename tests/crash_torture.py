@@ -1,0 +1,161 @@
+"""Crash-consistency trials: kill real 2-rank saves and check what is left.
+
+Each trial runs ``tests/crash_job.py`` (a real 2-process gloo job saving
+``step{N}`` through ``CheckpointManager``, keep 2) and kills it at a named
+crash point on one rank or all ranks, or at a random moment, or not at all.
+Then, in this process (one process, no process group: a resharded load):
+
+1. the tag ``newest`` resolves to (if any) loads bit-exact;
+2. the new tag is either committed and bit-exact, or not offered at all;
+3. no checkpoint was deleted except by retention after a committed save;
+4. after a save that completed, no uncommitted directory or temporary file
+   is left anywhere under the root.
+
+Used by ``tests/test_torture.py`` (a few trials) and ``bench/torture.py``
+(hundreds).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from crash_job import KEEP, make_model  # noqa: E402
+
+import dcp_ext  # noqa: E402
+from dcp_ext._failpoints import POINTS  # noqa: E402
+from dcp_ext.storage.local import TMP_MARK  # noqa: E402
+
+JOB = str(Path(__file__).resolve().parent / "crash_job.py")
+
+
+@dataclass
+class TortureStats:
+    trials: int = 0
+    kills: int = 0
+    committed_despite_kill: int = 0
+    violations: list[str] = field(default_factory=list)
+    by_crash: dict[str, int] = field(default_factory=dict)
+
+
+def _expected(step: int) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in make_model(step).state_dict().items()}
+
+
+def _check_tag(manager: dcp_ext.CheckpointManager, tag: str) -> str | None:
+    """Load ``tag`` into a fresh model in this process; None if bit-exact."""
+    step = int(tag.removeprefix("step"))
+    model = make_model(10_000 + step)  # different weights: all must come from the checkpoint
+    try:
+        result = manager.resume(model, tag=tag)
+    except Exception as err:  # noqa: BLE001 - any failure is the violation
+        return f"{tag}: load failed: {type(err).__name__}: {err}"
+    if result.user_content != {"step": step}:
+        return f"{tag}: user_content {result.user_content!r}"
+    expected = _expected(step)
+    for key, value in model.state_dict().items():
+        if not torch.equal(value, expected[key]):
+            return f"{tag}: {key} differs"
+    return None
+
+
+def _leftovers(root: Path) -> list[str]:
+    found = []
+    for path in root.rglob("*"):
+        if TMP_MARK in path.name:
+            found.append(str(path.relative_to(root)))
+    for directory in root.glob("*_partial"):
+        if not (directory / "dcp_ext.metadata.json").exists():
+            found.append(f"{directory.name} (uncommitted)")
+    return found
+
+
+def choose_crash(rng: random.Random) -> str:
+    roll = rng.random()
+    who = rng.choice(["0", "1", "all"])
+    if roll < 0.15:
+        return "none"
+    if roll < 0.75:
+        return f"{who}:{rng.choice(POINTS)}"
+    return f"{who}:random:{rng.uniform(0.0, 0.25):.3f}"
+
+
+def run_trials(root: Path, trials: int, seed: int = 0, crashes: list[str] | None = None,
+               log: Any = None) -> TortureStats:
+    """Run ``trials`` trials (or one per entry of ``crashes``) under ``root``."""
+    rng = random.Random(seed)
+    stats = TortureStats()
+    manager = dcp_ext.CheckpointManager(root)
+    plan = crashes if crashes is not None else [choose_crash(rng) for _ in range(trials)]
+    step = 0
+    for crash in plan:
+        step += 1
+        tag = f"step{step}"
+        before = manager.tags()
+        started = time.monotonic()
+        job = subprocess.Popen([sys.executable, JOB, str(root), str(step), crash],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            _, err = job.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            import os
+
+            os.killpg(job.pid, signal.SIGKILL)
+            _, err = job.communicate()
+            stats.violations.append(f"trial {step} ({crash}): job hung for 180 s")
+        elapsed = time.monotonic() - started
+        ok = job.returncode == 0
+        stats.trials += 1
+        kind = crash.split(":")[1] if crash != "none" else "none"
+        stats.by_crash[kind] = stats.by_crash.get(kind, 0) + 1
+        if crash == "none" and not ok:
+            stats.violations.append(f"trial {step}: uncrashed save failed: {err.decode()[-500:]}")
+        if crash != "none":
+            stats.kills += 1
+        problems: list[str] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            after = manager.tags()
+            newest = manager.read_newest()
+        if newest is not None:
+            problem = _check_tag(manager, newest)
+            if problem:
+                problems.append(f"newest {problem}")
+        elif before:
+            problems.append(f"nothing loadable after the trial; before: {before}")
+        if tag in after:
+            if crash != "none":
+                stats.committed_despite_kill += 1
+            if tag != newest:
+                problem = _check_tag(manager, tag)
+                if problem:
+                    problems.append(problem)
+            kept = set((before + [tag])[-KEEP:])
+            if not kept <= set(after):
+                problems.append(f"retention deleted too much: before {before}, after {after}")
+        elif set(after) != set(before):
+            problems.append(f"tags changed without a commit: before {before}, after {after}")
+        if set(after) - set(before) - {tag}:
+            problems.append(f"unexpected tags {sorted(set(after) - set(before) - {tag})}")
+        if ok:
+            left = _leftovers(root)
+            if left:
+                problems.append(f"leftovers after a completed save: {left}")
+        for problem in problems:
+            stats.violations.append(f"trial {step} ({crash}): {problem}")
+        if log is not None:
+            log(f"trial {step:>4} {crash:<24} exit {job.returncode:>4} {elapsed:5.1f}s "
+                f"committed={tag in after} newest={newest} tags={after} "
+                + ("OK" if not problems else "VIOLATION " + "; ".join(problems)))
+    return stats

@@ -46,6 +46,7 @@ from ._metadata_format import (
     validate_file_name,
 )
 from ._gc import gc_paused
+from ._memory import release_free_memory
 from ._frames import FrameSpan, FrameTable, checksum
 from ._ranges import Piece, box_runs, plan_requests, run_starts
 from ._torch_format import tensor_bytes
@@ -352,6 +353,7 @@ class CheckpointReader(StorageReader):
         """(all ranks) Fetch this rank's slices and hand them to the planner."""
         with gc_paused():
             self._read_all(plan, planner)
+        release_free_memory()
         future: Future[None] = Future()
         future.set_result(None)
         return future

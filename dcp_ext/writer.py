@@ -47,6 +47,7 @@ from ._metadata_format import (
 )
 from ._failpoints import crash_point
 from ._frames import checksum
+from ._memory import release_free_memory
 from ._torch_format import DTYPES, tensor_bytes, torch_save_envelope
 from .codecs import Codec, resolve_codec
 from .config import IOConfig, usable_cores
@@ -295,6 +296,7 @@ class CheckpointWriter(StorageWriter):
                 if errors:
                     raise errors[0]
         crash_point("after_data")
+        release_free_memory()
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future

@@ -26,7 +26,8 @@ commit marker of a checkpoint. Layout (version 2)::
          "frame": 4194304, "frames": [41], "xxh3": ["2c26b46b68ffc68f"]},
         ...
       ],
-      "files": {"__0_0.distcp": 123456, ...}
+      "files": {"__0_0.distcp": 123456, ...},
+      "integrity": "xxh3-64:5d5b09e5ef8b4c1a"
     }
 
 ``items`` says where each stored chunk lives: ``length`` bytes at ``at`` of
@@ -40,6 +41,9 @@ bytes as independent frames of ``frame`` raw bytes each (the last shorter),
 an xxh3-64 checksum in ``xxh3`` (16 hex digits, in frame order; an
 uncompressed item's frames are ``frame`` bytes of its data each). ``files``
 gives each data file's size, so truncation is detected before any read.
+``integrity``, always the last field, is the xxh3-64 of the document's bytes
+with its own 16 hex digits replaced by zeros: any damage to the metadata is
+detected before it is parsed.
 Version 1 documents (no ``frame``/``xxh3``/``codec``) are read as
 uncompressed data without checksums.
 
@@ -61,6 +65,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -93,6 +98,14 @@ FORMAT = "dcp_ext"
 FORMAT_VERSION = 2
 _READABLE_VERSIONS = (1, 2)
 DCP_VERSION = "1.0.0"
+
+# Largest frame a writer produces (IOConfig.frame_size's bound): a reader
+# never allocates more than this for one frame, whatever metadata claims.
+MAX_FRAME_SIZE = 256 * 1024 * 1024
+
+# The metadata's own checksum: the last field, over the document with it zeroed.
+_INTEGRITY_PLACEHOLDER = "xxh3-64:" + "0" * 16
+_INTEGRITY_RE = re.compile(rb'"integrity":"(xxh3-64:[0-9a-f]{16})"\}$')
 
 # Relative names only: no absolute paths, no "..", no empty parts, no NUL.
 _NAME_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._\-]{0,254}$")
@@ -261,7 +274,34 @@ def encode_metadata(
         "items": records,
         "files": files,
     }
-    return json.dumps(document, separators=(",", ":")).encode()
+    document["integrity"] = _INTEGRITY_PLACEHOLDER
+    data = json.dumps(document, separators=(",", ":")).encode()
+    digest = f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}".encode()
+    return data.replace(_INTEGRITY_PLACEHOLDER.encode(), digest)
+
+
+def check_integrity(data: bytes, where: str) -> None:
+    """Check the document's own checksum (the ``integrity`` field: xxh3-64 of
+    the document with that field's digest zeroed). Documents written before
+    the field existed pass.
+
+    Raises:
+        CheckpointCorruptError: The bytes changed after they were written.
+    """
+    found = _INTEGRITY_RE.search(data)
+    if found is None:
+        if b'"integrity"' in data:
+            raise CheckpointCorruptError(f"{where}: its integrity field is damaged", where)
+        return
+    zeroed = data[: found.start(1)] + _INTEGRITY_PLACEHOLDER.encode() + data[found.end(1) :]
+    actual = f"xxh3-64:{xxhash.xxh3_64_intdigest(zeroed):016x}".encode()
+    if actual != found.group(1):
+        raise CheckpointCorruptError(
+            f"{where} is damaged: its checksum does not match its contents (recorded "
+            f"{found.group(1).decode(errors='replace')}, computed {actual.decode()}). Restore the "
+            f"file or load an earlier checkpoint.",
+            where,
+        )
 
 
 def _frame_fields(item: StoredItem) -> dict[str, Any]:
@@ -292,8 +332,10 @@ def _decode_frames(record: dict[str, Any], base: StoredItem, fqn: str, where: st
         transforms = tuple(codec)
         raw_length = _nonneg(record.get("raw_length"), f"raw length of {fqn!r}", where)
     frame_size = _nonneg(frame_size, f"frame size of {fqn!r}", where)
-    if frame_size == 0:
-        raise CheckpointCorruptError(f"{where}: {what} has frame size 0", where)
+    if not 0 < frame_size <= MAX_FRAME_SIZE:
+        raise CheckpointCorruptError(
+            f"{where}: {what} claims a frame size of {frame_size} bytes (at most {MAX_FRAME_SIZE})", where
+        )
     raw_size = base.data_length if raw_length < 0 else raw_length
     count = -(-raw_size // frame_size)
     lengths: tuple[int, ...] = ()
@@ -379,6 +421,7 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
     Raises:
         CheckpointCorruptError: The document is not valid dcp_ext metadata.
     """
+    check_integrity(data, where)
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as err:

@@ -1,24 +1,29 @@
 """Checking a whole checkpoint: :func:`verify`.
 
-Loads verify the frames they read; :func:`verify` reads every frame of every
-data file, checks its xxh3-64 checksum, decompresses compressed frames, and
-reports every problem it finds instead of stopping at the first. Use it before
+Loads verify the frames they read; :func:`verify` reads every byte of every
+data file: it checks each frame's xxh3-64 checksum, decompresses compressed
+frames, compares the ``torch.save`` envelope around each uncompressed tensor
+with the one its dtype and shape produce, and reports every problem it finds
+instead of stopping at the first. Use it before
 trusting a checkpoint copied between systems, or to find out which files of a
 checkpoint that failed to load are damaged (``dcp-ext verify`` in a shell).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ._frames import FrameSpan, FrameTable, checksum
 from ._metadata_format import METADATA_FILE, StoredItem, decode_metadata
 from ._ranges import Piece, plan_requests
+from ._torch_format import torch_save_envelope
 from .codecs import check_descriptors, decode_frame
 from .config import IOConfig
 from .errors import CheckpointNotFoundError, DcpExtError
@@ -166,34 +171,45 @@ def verify(
             entries = [(i, it) for i, it in entries if it.offset + it.length <= actual]
         readable[name] = entries
 
-    total = sum(it.data_length for entries in readable.values() for _, it in entries)
+    total = sum(it.length for entries in readable.values() for _, it in entries)
     done = frames = unchecked = 0
-    batch: list[tuple[MetadataIndex, StoredItem, FrameSpan, memoryview]] = []
+    # (key, item, region, buffer, check): a region is a frame, or the
+    # torch.save envelope around an uncompressed tensor (index -1).
+    batch: list[tuple[MetadataIndex, StoredItem, FrameSpan, memoryview, Callable[[memoryview], str]]] = []
     batch_bytes = 0
+    chunks = _chunk_shapes(decoded.metadata)
 
     def run_batch() -> None:
         nonlocal done, frames, batch_bytes
         if not batch:
             return
-        pieces = [Piece(item.relative_path, frame.stored_offset, buf) for _, item, frame, buf in batch]
+        pieces = [Piece(item.relative_path, region.stored_offset, buf) for _, item, region, buf, _ in batch]
         try:
             store.read(plan_requests(pieces, gap=store.coalesce_gap, max_request=config.read_request_size))
         except DcpExtError as err:
             # A read failing as a whole (e.g. the file changed meanwhile): report
-            # every frame of the batch rather than stopping.
-            for index, item, frame, _ in batch:
-                problems.append(_problem(item, frame, index, f"cannot be read ({err})"))
+            # every region of the batch rather than stopping.
+            for index, item, region, _, _ in batch:
+                problems.append(_problem(item, region, index, f"cannot be read ({err})"))
         else:
-            for index, item, frame, buf in batch:
-                reason = _check(item, frame, buf)
+            for index, item, region, buf, check in batch:
+                reason = check(buf)
                 if reason:
-                    problems.append(_problem(item, frame, index, reason))
-                frames += 1
-                done += frame.stored_length
+                    problems.append(_problem(item, region, index, reason))
+                if region.index >= 0:
+                    frames += 1
+                done += region.stored_length
         batch.clear()
         batch_bytes = 0
         if progress is not None:
             progress(done, total)
+
+    def add(index: MetadataIndex, item: StoredItem, region: FrameSpan, check: Callable[[memoryview], str]) -> None:
+        nonlocal batch_bytes
+        if batch_bytes + region.stored_length > _BATCH_BYTES:
+            run_batch()
+        batch.append((index, item, region, memoryview(bytearray(region.stored_length)), check))
+        batch_bytes += region.stored_length
 
     for name, entries in readable.items():
         for index, item in entries:
@@ -209,15 +225,53 @@ def verify(
             table = FrameTable(item)
             for k in range(len(table)):
                 frame = table.frame(k)
-                if batch_bytes + frame.stored_length > _BATCH_BYTES:
-                    run_batch()
-                batch.append((index, item, frame, memoryview(bytearray(frame.stored_length))))
-                batch_bytes += frame.stored_length
+                add(index, item, frame, functools.partial(_check, item, frame))
+            for region, expected in _envelope_regions(index, item, chunks):
+                add(index, item, region, functools.partial(_check_envelope, expected))
     run_batch()
     return VerifyReport(
         store.url, len(decoded.files), frames, done, unchecked,
         tuple(sorted(problems, key=lambda p: (p.file, p.start))),
     )
+
+
+def _chunk_shapes(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]:
+    shapes = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for chunk in md.chunks:
+                shapes[(fqn, tuple(chunk.offsets))] = (md.properties.dtype, tuple(int(s) for s in chunk.sizes))
+    return shapes
+
+
+def _envelope_regions(
+    index: MetadataIndex,
+    item: StoredItem,
+    chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]],
+) -> list[tuple[FrameSpan, bytes]]:
+    """The envelope bytes before and after an uncompressed tensor's data, and
+    what they must be (the envelope is a pure function of dtype and shape)."""
+    prefix_len = item.data_offset
+    suffix_len = item.length - item.data_offset - item.data_length
+    if item.transforms or (prefix_len == 0 and suffix_len == 0):
+        return []
+    shape = chunks.get((index.fqn, tuple(index.offset or ())))
+    if shape is None:
+        return []
+    envelope = torch_save_envelope(shape[0], shape[1])
+    regions = []
+    if prefix_len:
+        regions.append((FrameSpan(-1, 0, 0, 0, item.offset, prefix_len, None), envelope.prefix))
+    if suffix_len:
+        start = item.offset + item.data_offset + item.data_length
+        regions.append((FrameSpan(-1, 0, 0, 0, start, suffix_len, None), envelope.suffix))
+    return regions
+
+
+def _check_envelope(expected: bytes, stored: memoryview) -> str:
+    if bytes(stored) == expected:
+        return ""
+    return "torch.save envelope bytes differ from the ones this dtype and shape produce"
 
 
 def _check(item: StoredItem, frame: FrameSpan, stored: memoryview) -> str:
@@ -233,10 +287,11 @@ def _check(item: StoredItem, frame: FrameSpan, stored: memoryview) -> str:
 
 
 def _problem(item: StoredItem, frame: FrameSpan, index: MetadataIndex, reason: str) -> Problem:
+    where = "envelope" if frame.index < 0 else f"frame {frame.index + 1}/{frame.count}"
     return Problem(
         item.relative_path,
         frame.stored_offset,
         frame.stored_offset + frame.stored_length,
-        (f"{_key(index)} frame {frame.index + 1}/{frame.count}",),
+        (f"{_key(index)} {where}",),
         reason,
     )

@@ -65,6 +65,9 @@ from .storage.local import TMP_MARK
 
 __all__ = ["CheckpointReader"]
 
+# Non-tensor values (pickled by DCP's planner) larger than this are refused
+# before anything is allocated: real ones are small (steps, RNG states, configs).
+_MAX_BYTES_ITEM = 1 << 30
 # Above this many runs per slice, read the covering span instead.
 _MAX_RUNS = 4096
 
@@ -406,6 +409,14 @@ class CheckpointReader(StorageReader):
         if isinstance(info, _StorageInfo):
             return self._prepare_torch_item(read_item, info, planner)
         if read_item.type == LoadItemType.BYTE_IO:
+            if info.raw_size > _MAX_BYTES_ITEM:
+                where = self.store.describe(info.relative_path)
+                raise CheckpointCorruptError(
+                    f"{where}: the metadata claims {info.raw_size} bytes for the non-tensor "
+                    f"value {read_item.storage_index.fqn!r} (at most {_MAX_BYTES_ITEM}); refusing "
+                    f"to allocate that. The metadata is damaged or hostile.",
+                    where,
+                )
             buffer = bytearray(info.raw_size)
 
             def finish_bytes() -> None:

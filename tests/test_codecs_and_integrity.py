@@ -14,6 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 import dcp_ext
 from dcp_ext import ZstdCodec
 from dcp_ext.codecs import decode_frame, encode_frame
+from metadata_edit import sign
 
 FRAME = 64 * 1024
 
@@ -140,7 +141,7 @@ def test_mixed_codecs_and_unknown_descriptor(tmp_path: Path) -> None:
     for item in doc["items"]:
         if item["fqn"] == "fp32":
             item["codec"] = ["lz4/1"]
-    (tmp_path / "mixed" / "dcp_ext.metadata.json").write_text(json.dumps(doc))
+    (tmp_path / "mixed" / "dcp_ext.metadata.json").write_bytes(sign(doc))
     with pytest.raises(dcp_ext.UnsupportedCodecError, match=r"unknown codec transform 'lz4/1'"):
         dcp_ext.load(_zeros(state), tmp_path / "mixed")
     with pytest.raises(dcp_ext.UnsupportedCodecError, match="unknown compression 'lz4'"):
@@ -237,13 +238,13 @@ def test_garbled_metadata_and_malicious_pickle(tmp_path: Path) -> None:
     meta = url / "dcp_ext.metadata.json"
     doc = json.loads(meta.read_text())
     doc["items"][0]["xxh3"] = ["zz"]
-    meta.write_text(json.dumps(doc))
+    meta.write_bytes(sign(doc))
     with pytest.raises(dcp_ext.CheckpointCorruptError, match="'w' has malformed checksums"):
         dcp_ext.load({"w": torch.zeros(4)}, url)
     with pytest.raises(dcp_ext.CheckpointCorruptError, match="malformed checksums"):
         dcp_ext.verify(url)
     doc["items"][0]["frames"] = [1, 2]
-    meta.write_text(json.dumps(doc))
+    meta.write_bytes(sign(doc))
     with pytest.raises(dcp_ext.CheckpointCorruptError, match="records 2 frames"):
         dcp_ext.load({"w": torch.zeros(4)}, url)
 

@@ -12,6 +12,7 @@ import dcp_ext
 import reshard_workers
 from dist import run_world
 from reshard_workers import SMALL_FRAME
+from metadata_edit import sign
 
 
 def test_resharding_matrix(tmp_path: Path) -> None:
@@ -125,6 +126,6 @@ def test_key_shape_dtype_and_layout_errors(tmp_path: Path) -> None:
         dict(next(i for i in json.loads(meta_path.read_text())["items"] if i["fqn"] == "model.0.weight"),
              data_length=16 * 8 * 4)
     ]
-    meta_path.write_text(json.dumps(doc))
+    meta_path.write_bytes(sign(doc))
     with pytest.raises(dcp_ext.ReshardError, match=r"'model.0.weight': the saved chunks cover 128 of the 256 elements"):
         dcp_ext.resume_from_checkpoint(sharded, _model())

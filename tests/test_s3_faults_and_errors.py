@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -17,6 +18,7 @@ import dcp_ext
 from conftest import BUCKET
 from dcp_ext import CheckpointReader, IOConfig, RetryPolicy
 from fault_proxy import FaultPlan, FaultProxy
+from metadata_edit import sign
 from s3_servers import SEAWEEDFS_READONLY_ACCESS_KEY, SEAWEEDFS_READONLY_SECRET_KEY
 
 MiB = 1024 * 1024
@@ -178,8 +180,8 @@ def test_local_errors_are_clear(tmp_path) -> None:
 
     hostile = tmp_path / "hostile"
     dcp_ext.save({"w": torch.ones(4)}, hostile)
-    doc = (hostile / "dcp_ext.metadata.json").read_text().replace('"__0_0.distcp"', '"../../etc/passwd"')
-    (hostile / "dcp_ext.metadata.json").write_text(doc)
+    doc = json.loads((hostile / "dcp_ext.metadata.json").read_text().replace('"__0_0.distcp"', '"../../etc/passwd"'))
+    (hostile / "dcp_ext.metadata.json").write_bytes(sign(doc))
     with pytest.raises(dcp_ext.CheckpointCorruptError, match="not a plain relative name"):
         dcp_ext.load(target, hostile)
 

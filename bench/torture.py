@@ -37,13 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dcp_ext_torture_") as root:
         stats = run_trials(Path(root), args.trials, seed=args.seed, log=log)
     result = {
-        "date": datetime.date.today().isoformat(), "trials": stats.trials, "kills": stats.kills,
+        "date": datetime.date.today().isoformat(), "trials": stats.trials, "armed": stats.armed,
+        "kills": stats.kills,
         "committed_despite_kill": stats.committed_despite_kill, "by_crash": stats.by_crash,
         "violations": stats.violations, "seconds": time.monotonic() - started, "log": lines,
     }
     out = ROOT / "bench" / "results" / f"torture-{result['date']}.json"
     out.write_text(json.dumps(result, indent=1))
-    print(f"{stats.trials} trials, {stats.kills} kills ({stats.by_crash}), "
+    print(f"{stats.trials} trials, {stats.armed} with a crash planned, {stats.kills} jobs killed "
+          f"({stats.by_crash}), "
           f"{stats.committed_despite_kill} killed saves committed anyway, "
           f"{len(stats.violations)} violations; {out}")
     return 1 if stats.violations else 0

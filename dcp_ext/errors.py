@@ -78,6 +78,11 @@ class CheckpointExistsError(DcpExtError, FileExistsError):
     """A committed checkpoint already exists at the path and ``overwrite=False``."""
 
 
+class CheckpointInProgressError(DcpExtError, FileExistsError):
+    """Another save to the same checkpoint path is in progress (its lock file
+    exists and is not older than an hour)."""
+
+
 class CheckpointCorruptError(DcpExtError, ValueError):
     """Metadata or data does not match what the checkpoint says it holds."""
 

@@ -21,10 +21,13 @@ A failure at any step leaves ``newest`` on the previous tag and deletes nothing.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import os
 import re
+import socket
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +43,7 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     DcpExtError,
+    NotACheckpointError,
     raise_unwrapped,
     unwrap_checkpoint_exception,
 )
@@ -66,7 +70,7 @@ from .reader import CheckpointReader
 from .storage import Store, join_path, normalize_path, open_store
 from .storage.local import TMP_MARK
 from .user_content import decode_user_content, encode_user_content
-from .writer import DATA_SUFFIX, CheckpointWriter
+from .writer import DATA_SUFFIX, LOCK_FILE, STALE_LOCK_SECONDS, CheckpointWriter
 
 __all__ = ["CheckpointManager", "ResumeResult", "save_checkpoint", "resume_from_checkpoint"]
 
@@ -371,8 +375,9 @@ class CheckpointManager:
     def _remove_leftovers(self, current: str) -> None:
         """(coordinator, after a commit) Delete what crashed saves left: partial
         directories that never committed (no metadata) and temporary files in
-        the root. One job saves to a root at a time (as with SageMaker); the
-        tag being saved is never touched."""
+        the root. The tag being saved, and any directory a live process on
+        this host is saving right now (its lock), are never touched; one job
+        saves to a root at a time."""
         for name in self._root_store.list_names():
             if TMP_MARK in name:
                 self._root_store.delete(name)
@@ -384,9 +389,11 @@ class CheckpointManager:
                 validate_tag(tag)
             except DcpExtError:
                 continue  # not ours
-            if not self._store(name).exists(METADATA_FILE):
-                log.info("removing %s: a save that never committed", name)
-                self._delete_partial(tag)
+            store = self._store(name)
+            if store.exists(METADATA_FILE) or _lock_is_live(store):
+                continue  # committed, or another job is saving it right now
+            log.info("removing %s: a save that never committed", name)
+            self._delete_partial(tag)
 
     def _save_full(
         self,
@@ -480,6 +487,7 @@ class CheckpointManager:
             CheckpointKeyError: Missing / unexpected keys (``strict``).
             ReshardError: A shape or dtype differs, or the layout cannot be filled.
         """
+        follow_newest = tag is None
         if tag is None:
             tag = self._broadcast(self.read_newest() if self._is_coordinator() else None)
             if tag is None:
@@ -492,18 +500,52 @@ class CheckpointManager:
             return self._resume_full(tag, model, strict)
         if model is None:
             raise ValueError("resume needs the model (and optionally its optimizer)")
+        for attempt in range(_RESUME_ATTEMPTS):
+            try:
+                return self._resume_partial(tag, model, optimizer, strict, allow_dtype_cast)
+            except (CheckpointNotFoundError, NotACheckpointError) as err:
+                # Retention of a concurrent save can delete the tag we are
+                # reading (every rank sees the failure: DCP propagates it).
+                # If newest has moved on, load that one instead.
+                if not follow_newest or attempt == _RESUME_ATTEMPTS - 1:
+                    raise
+                newer = self._broadcast(self.read_newest() if self._is_coordinator() else None)
+                if newer is None or newer == tag:
+                    raise
+                log.warning("checkpoint %s disappeared while loading (%s); loading the newest, %s", tag, err, newer)
+                tag = newer
+        raise AssertionError("unreachable")
+
+    def _resume_partial(
+        self,
+        tag: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        strict: bool,
+        allow_dtype_cast: bool,
+    ) -> ResumeResult:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         url = join_path(self.root, partial_dir(tag))
         reader = CheckpointReader(url, storage_options=self.storage_options, config=self.config)
         state = self._app_state(model, optimizer)
-        try:
-            partition: Partition | None = Partition.from_json(
-                reader.store.read_file(PARTITION_FILE), reader.store.describe(PARTITION_FILE)
+        # The small files are read by the coordinator, before the data, and
+        # shared, so that a tag deleted meanwhile fails on every rank alike.
+        extras: tuple[bytes | None, bytes | None, bool] | None = None
+        if self._is_coordinator():
+            extras = (
+                _read_optional(reader.store, PARTITION_FILE),
+                _read_optional(reader.store, USER_CONTENT_FILE),
+                reader.store.exists(METADATA_FILE),
             )
-        except CheckpointNotFoundError:
-            partition = None
+        partition_raw, user_content_raw, committed = self._broadcast(extras)
+        if not committed:
+            raise reader.missing_metadata_error()
+        partition = (
+            None if partition_raw is None
+            else Partition.from_json(partition_raw, reader.store.describe(PARTITION_FILE))
+        )
         world = dist.get_world_size(self.process_group) if self._distributed() else 1
         planner = LayoutLoadPlanner(
             strict, allow_dtype_cast=allow_dtype_cast, partition=partition, world_size=world, mesh=self.mesh
@@ -523,7 +565,11 @@ class CheckpointManager:
         else:
             set_state_dict(model, optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"], options=options)
-        return ResumeResult(tag, self._read_user_content(reader.store, USER_CONTENT_FILE), True)
+        user_content = (
+            None if user_content_raw is None
+            else decode_user_content(user_content_raw, reader.store.describe(USER_CONTENT_FILE))
+        )
+        return ResumeResult(tag, user_content, True)
 
     def _resume_full(self, tag: str, model: nn.Module | None, strict: bool) -> ResumeResult:
         if model is None:
@@ -581,7 +627,7 @@ class CheckpointManager:
             store.delete(name)
         crash_point("mid_retention")
         for name in store.list_names():
-            if name.endswith(DATA_SUFFIX) or TMP_MARK in name:
+            if name.endswith(DATA_SUFFIX) or TMP_MARK in name or name == LOCK_FILE:
                 store.delete(name)
         store.remove_root_if_empty()
 
@@ -637,6 +683,37 @@ class CheckpointManager:
 
 
 # -- SageMaker-style functions ------------------------------------------------------
+_RESUME_ATTEMPTS = 4
+
+
+def _read_optional(store: Store, name: str) -> bytes | None:
+    try:
+        return store.read_file(name)
+    except CheckpointNotFoundError:
+        return None
+
+
+def _lock_is_live(store: Store) -> bool:
+    """Whether ``store``'s checkpoint is being saved right now by a live
+    process on this host (its lock names this host and a running pid). A
+    lock from another host cannot be checked and counts as abandoned: one
+    job saves to a root at a time."""
+    try:
+        record = json.loads(store.read_file(LOCK_FILE))
+        if time.time() - float(record["started"]) >= STALE_LOCK_SECONDS:
+            return False
+        if record.get("host") != socket.gethostname():
+            return False
+        os.kill(int(record["pid"]), 0)
+    except (CheckpointNotFoundError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # the process exists (another user's)
+    except (DcpExtError, ValueError, KeyError, TypeError, OSError):
+        return False
+    return True
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     tag: str,

@@ -288,7 +288,7 @@ class CheckpointReader(StorageReader):
         try:
             raw = store.read_file(TORCH_METADATA_FILE)
         except CheckpointNotFoundError:
-            raise self._missing_metadata_error() from None
+            raise self.missing_metadata_error() from None
         metadata = load_torch_metadata(raw, store.describe(TORCH_METADATA_FILE))
         where = store.describe(TORCH_METADATA_FILE)
         if not isinstance(metadata.storage_data, dict):
@@ -303,7 +303,9 @@ class CheckpointReader(StorageReader):
             validate_file_name(info.relative_path, where)
         return metadata
 
-    def _missing_metadata_error(self) -> DcpExtError:
+    def missing_metadata_error(self) -> DcpExtError:
+        """The error for a path without metadata: nothing there, an
+        incomplete save, or something that is not a checkpoint."""
         store = self.store
         if not store.root_exists():
             return CheckpointNotFoundError(

@@ -6,14 +6,17 @@ every rank; DCP's collectives provide the ordering):
 1. (coordinator, ``prepare_global_plan``) refuse an existing committed
    checkpoint unless ``overwrite=True``; with it, delete the old metadata
    first so the old checkpoint stops being loadable before any byte of it is
-   replaced.
+   replaced. Then take the path's save lock (``.dcp_ext.saving``, created
+   exclusively): a second job saving the same path at the same time fails
+   with ``CheckpointInProgressError`` before writing anything.
 2. (all ranks, ``write_data``) stream data files. Each file becomes visible
    under its final name only when durable: fsync + rename on file systems, a
    completed multipart upload on S3. A failing rank aborts its files.
 3. (coordinator, ``finish``) write torch's pickled ``.metadata`` (so torch's
    readers can load the checkpoint), then ``dcp_ext.metadata.json``, the commit
-   marker. Then delete data files of an overwritten checkpoint that the new
-   one does not use, and temporary files left by crashed saves.
+   marker. Then release the lock, and delete data files of an overwritten
+   checkpoint that the new one does not use and temporary files left by
+   crashed saves.
 
 A reader refuses a checkpoint without metadata, so a save that dies at any
 point leaves either the previous state or nothing loadable, never a mix.
@@ -22,8 +25,11 @@ point leaves either the previous state or nothing loadable, never a mix.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+import socket
+import time
 import uuid
 from collections import deque
 from concurrent.futures import Future as _TaskFuture
@@ -51,16 +57,19 @@ from ._memory import release_free_memory
 from ._torch_format import DTYPES, tensor_bytes, torch_save_envelope
 from .codecs import Codec, resolve_codec
 from .config import IOConfig, usable_cores
-from .errors import CheckpointExistsError
+from .errors import CheckpointExistsError, CheckpointInProgressError, DcpExtError
 from .layout import kind_of
 from .storage import Store, normalize_path, open_store
 from .storage.local import TMP_MARK
 
-__all__ = ["CheckpointWriter", "FileAssignment", "DATA_SUFFIX"]
+__all__ = ["CheckpointWriter", "FileAssignment", "DATA_SUFFIX", "LOCK_FILE"]
 
 log = logging.getLogger("dcp_ext.writer")
 
 DATA_SUFFIX = ".distcp"
+# Held by the coordinator from planning until the metadata is written.
+LOCK_FILE = ".dcp_ext.saving"
+STALE_LOCK_SECONDS = 3600
 # Rough upper bound of a torch.save envelope, used only for S3 part sizing.
 _ENVELOPE_ESTIMATE = 2048
 
@@ -204,6 +213,7 @@ class CheckpointWriter(StorageWriter):
         self._written: list[str] = []
         self.before_commit = before_commit
         self.codec = resolve_codec(compression)
+        self._lock_held = False
 
     # -- helpers ----------------------------------------------------------------
     @property
@@ -259,12 +269,53 @@ class CheckpointWriter(StorageWriter):
             # Un-commit the old checkpoint before touching any of its data.
             for name in existing:
                 store.delete(name)
+        self._acquire_lock(store)
         return [
             plan
             if isinstance(plan.storage_data, FileAssignment)
             else dataclasses.replace(plan, storage_data=FileAssignment(prefix=f"__{rank}_"))
             for rank, plan in enumerate(plans)
         ]
+
+    def _acquire_lock(self, store: Store) -> None:
+        """(coordinator) Take the save lock of this path, so that a second job
+        saving the same checkpoint at the same time fails before it writes a
+        byte instead of interleaving its files with ours."""
+        record = json.dumps({
+            "save_id": self.save_id, "started": time.time(),
+            "host": socket.gethostname(), "pid": os.getpid(),
+        }).encode()
+        for _ in range(2):
+            if store.create_exclusive(LOCK_FILE, record):
+                self._lock_held = True
+                return
+            try:
+                other = json.loads(store.read_file(LOCK_FILE))
+            except (DcpExtError, ValueError):
+                other = {}
+            if not isinstance(other, dict):
+                other = {}
+            age = time.time() - float(other.get("started", 0) or 0)
+            if age < STALE_LOCK_SECONDS:
+                raise CheckpointInProgressError(
+                    f"another save to {store.url} is in progress (save {other.get('save_id', '?')} "
+                    f"by pid {other.get('pid', '?')} on {other.get('host', '?')}, started {age:.0f} s "
+                    f"ago). Wait for it or save to another path; if that job died, delete "
+                    f"{store.describe(LOCK_FILE)} (it counts as abandoned after "
+                    f"{STALE_LOCK_SECONDS // 60} minutes).",
+                    store.url,
+                )
+            log.warning("taking over the lock of an abandoned save at %s (%.0f s old)", store.url, age)
+            store.delete(LOCK_FILE)
+        raise CheckpointInProgressError(f"could not take the save lock of {store.url}", store.url)
+
+    def _release_lock(self) -> None:
+        if self._lock_held:
+            self._lock_held = False
+            try:
+                self.store.delete(LOCK_FILE)
+            except Exception as err:  # noqa: BLE001 - a stale lock expires
+                log.warning("could not delete %s: %s", self.store.describe(LOCK_FILE), err)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """(all ranks) Stream this rank's items into its data files and commit them."""
@@ -450,6 +501,7 @@ class CheckpointWriter(StorageWriter):
         if not any(item.transforms for item in items.values()):
             store.write_file(TORCH_METADATA_FILE, to_torch_metadata(metadata, items))
         store.write_file(METADATA_FILE, encode_metadata(metadata, items, world_size=len(results)))
+        self._release_lock()
         self._remove_leftovers({item.relative_path for item in items.values()})
 
     def _remove_leftovers(self, keep: set[str]) -> None:
@@ -471,6 +523,7 @@ class CheckpointWriter(StorageWriter):
             except Exception as err:
                 log.warning("could not delete %s: %s", self.store.describe(name), err)
         self._written = []
+        self._release_lock()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -42,7 +42,12 @@ JOB = str(Path(__file__).resolve().parent / "crash_job.py")
 
 @dataclass
 class TortureStats:
+    """``armed``: trials with a crash planned; ``kills``: jobs that actually
+    died (a crash point on rank 1 that only the coordinator reaches, such as
+    ``before_newest``, never fires)."""
+
     trials: int = 0
+    armed: int = 0
     kills: int = 0
     committed_despite_kill: int = 0
     violations: list[str] = field(default_factory=list)
@@ -122,6 +127,8 @@ def run_trials(root: Path, trials: int, seed: int = 0, crashes: list[str] | None
         if crash == "none" and not ok:
             stats.violations.append(f"trial {step}: uncrashed save failed: {err.decode()[-500:]}")
         if crash != "none":
+            stats.armed += 1
+        if not ok:
             stats.kills += 1
         problems: list[str] = []
         with warnings.catch_warnings():
@@ -135,7 +142,7 @@ def run_trials(root: Path, trials: int, seed: int = 0, crashes: list[str] | None
         elif before:
             problems.append(f"nothing loadable after the trial; before: {before}")
         if tag in after:
-            if crash != "none":
+            if not ok:
                 stats.committed_despite_kill += 1
             if tag != newest:
                 problem = _check_tag(manager, tag)

@@ -244,3 +244,24 @@ def one_rank_suite(rank: int, world_size: int, root: str) -> dict[str, Any]:
     got = load_into_fresh(world_size, lambda sd: dcp_ext.load(sd, f"{root}/fsdp1"))
     assert_same_leaves(expected, got, "world of one")
     return {"names": sorted(os.listdir(f"{root}/fsdp1"))}
+
+
+def faulty_rank_world(rank: int, world_size: int, root: str, options: list[dict[str, Any]]) -> dict[str, Any]:
+    """Save through CheckpointManager where rank 1's S3 endpoint fails every
+    upload; report what each rank raised and how long it took."""
+    import time
+
+    from dcp_ext import IOConfig, RetryPolicy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 8 MiB: multipart
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    config = IOConfig(part_size=5 << 20, max_concurrency=2,
+                      retry=RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05))
+    manager = dcp_ext.CheckpointManager(root, storage_options=options[rank], config=config)
+    start = time.monotonic()
+    try:
+        manager.save("t1", model)
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return {"error": type(err).__name__, "message": str(err), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}

@@ -53,7 +53,7 @@ class FaultPlan:
 
     Attributes:
         rate: Share of matching requests that get a fault (0..1).
-        faults: Faults to choose from, uniformly.
+        faults: Faults to inject, in turn.
         match: Predicate on (method, path-with-query); default: every request.
         limit: At most this many faults in total (``None``: no limit).
         delay: Seconds for the ``"delay"`` fault.
@@ -83,7 +83,9 @@ class FaultPlan:
         if self._rng.random() >= self.rate:
             return None
         self._injected += 1
-        return self._rng.choice(self.faults)
+        # In turn rather than at random: every kind shows up once there have
+        # been as many faults as kinds, whatever order concurrent requests take.
+        return self.faults[(self._injected - 1) % len(self.faults)]
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -51,7 +51,7 @@ def test_transient_faults_are_retried_and_data_is_exact(moto_server) -> None:
     state = _state()  # ~24 MiB: 5 parts of 5 MiB
     url = f"s3://{BUCKET}/faults-{uuid.uuid4().hex[:8]}/ck"
     config = IOConfig(part_size=5 * MiB, read_request_size=2 * MiB, max_concurrency=4, retry=FAST_RETRY)
-    plan = FaultPlan(rate=0.2, faults=("slowdown", "internal", "reset", "truncate"), seed=7)
+    plan = FaultPlan(rate=0.2, faults=("slowdown", "internal", "reset", "truncate", "delay"), delay=0.3, seed=21)
     with FaultProxy(moto_server.endpoint_url, plan) as proxy:
         options = _options(proxy.endpoint_url)
         dcp_ext.save(state, url, storage_options=options, config=config)
@@ -66,7 +66,7 @@ def test_transient_faults_are_retried_and_data_is_exact(moto_server) -> None:
             assert torch.equal(loaded[key], value), key
     assert loaded["step"] == 3
     assert save_faults >= 3 and len(faults) - save_faults >= 3, (save_faults, len(faults))
-    assert kinds == {"slowdown", "internal", "reset", "truncate"}, kinds
+    assert kinds == {"slowdown", "internal", "reset", "truncate", "delay"}, kinds
     assert requests > len(faults)
     # No multipart upload was left behind by retried parts.
     client = moto_server.boto3_client()
@@ -206,3 +206,30 @@ def test_local_permission_denied(tmp_path) -> None:
         assert str(locked / "ck") in str(info.value)
     finally:
         subprocess.run(undo, check=True)
+
+
+def test_one_rank_failing_fails_every_rank_promptly(moto_server) -> None:
+    """Rank 1's endpoint answers every upload with 503 SlowDown: both ranks
+    fail within seconds (not at the collective timeout) with the same error,
+    no metadata and no ``newest`` are written, and no multipart upload stays."""
+    from dist import run_world
+    import dist_workers
+
+    prefix = f"onerank-{uuid.uuid4().hex[:8]}"
+    root = f"s3://{BUCKET}/{prefix}"
+    plan = FaultPlan(rate=1.0, faults=("slowdown",), match=lambda method, path: method in ("PUT", "POST"))
+    with FaultProxy(moto_server.endpoint_url, plan) as proxy:
+        options = [_options(moto_server.endpoint_url), _options(proxy.endpoint_url)]
+        results = run_world(2, dist_workers.faulty_rank_world, root, options, timeout=120)
+        injected = len(proxy.faults())
+    print(results, injected)
+    assert injected >= 3
+    assert [r["error"] for r in results] == ["StorageError", "StorageError"], results
+    assert results[0]["message"] == results[1]["message"]
+    assert "SlowDown" in results[0]["message"] and "model_rank1.distcp" in results[0]["message"]
+    assert max(r["seconds"] for r in results) < 20, results
+    client = moto_server.boto3_client()
+    names = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])]
+    assert not [n for n in names if n.endswith(("newest", "metadata.json", ".metadata"))], names
+    assert names == [], names  # rank 0's committed data file was removed too
+    assert client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", []) == []

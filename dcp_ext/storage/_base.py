@@ -195,6 +195,19 @@ class Store(ABC):
     def write_file(self, name: str, data: bytes) -> None:
         """Atomically publish a small file: readers see the old or the new one."""
 
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create small file ``name`` only if it does not exist; False if it does.
+
+        Atomic where the storage supports it (local and shared POSIX file
+        systems: ``O_EXCL``; S3: a conditional ``If-None-Match: *`` PUT);
+        elsewhere (generic fsspec) a check then a write, which a concurrent
+        writer can race.
+        """
+        if self.exists(name):
+            return False
+        self.write_file(name, data)
+        return True
+
     # -- data files -------------------------------------------------------
     @abstractmethod
     def open_writer(self, name: str, size_hint: int | None = None) -> ObjectWriter:

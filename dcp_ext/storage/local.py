@@ -277,6 +277,22 @@ class LocalStore(Store):
             writer.write(data)
             writer.commit()
 
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except FileExistsError:
+            return False
+        except OSError as err:
+            raise translate_os_error(err, self.describe(name), "creating") from err
+        try:
+            os.write(fd, data)
+            if self.config.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
     # -- data files -----------------------------------------------------------
     def open_writer(self, name: str, size_hint: int | None = None) -> ObjectWriter:
         return _LocalWriter(self, name)

@@ -39,7 +39,13 @@ from ..errors import (
     TransientStorageError,
 )
 from ._base import ObjectWriter, Store, request_views, scatter
-from ._s3_client import S3Connection, get_connection, is_transient_s3_error, translate_s3_error
+from ._s3_client import (
+    S3Connection,
+    _client_error_parts,
+    get_connection,
+    is_transient_s3_error,
+    translate_s3_error,
+)
 
 __all__ = ["S3Store", "split_s3_url"]
 
@@ -306,6 +312,19 @@ class S3Store(Store):
     def write_file(self, name: str, data: bytes) -> None:
         # A single PUT is atomic: readers see the old object or the new one.
         self.call("put_object", "writing", self.key(name), Body=bytes(data), **self.connection.write_params)
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        # Conditional write (AWS S3 since 2024, moto; a store that ignores the
+        # header makes this a plain PUT).
+        try:
+            self.call("put_object", "creating", self.key(name), Body=bytes(data), IfNoneMatch="*",
+                      **self.connection.write_params)
+        except DcpExtError as err:
+            parts = _client_error_parts(err.__cause__) if err.__cause__ is not None else None
+            if parts is not None and (parts[0] in ("PreconditionFailed", "ConditionalRequestConflict") or parts[1] in (409, 412)):
+                return False
+            raise
+        return True
 
     # -- data files -----------------------------------------------------------
     def open_writer(self, name: str, size_hint: int | None = None) -> ObjectWriter:

@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Callable
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 

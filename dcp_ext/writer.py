@@ -30,6 +30,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 import uuid
 from collections import deque
 from concurrent.futures import Future as _TaskFuture
@@ -70,6 +71,9 @@ DATA_SUFFIX = ".distcp"
 # Held by the coordinator from planning until the metadata is written.
 LOCK_FILE = ".dcp_ext.saving"
 STALE_LOCK_SECONDS = 3600
+# Saves of this process that hold their lock now (save id -> writer); a
+# writer that is gone cannot be saving any more.
+_LIVE_SAVES: weakref.WeakValueDictionary[str, CheckpointWriter] = weakref.WeakValueDictionary()
 # Rough upper bound of a torch.save envelope, used only for S3 part sizing.
 _ENVELOPE_ESTIMATE = 2048
 
@@ -231,6 +235,10 @@ class CheckpointWriter(StorageWriter):
     # -- StorageWriter --------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """(all ranks) Start a new save, optionally at a new path."""
+        # A lock left by a failed earlier save through this writer stays on
+        # storage, where the next save (this one) may take it over.
+        _LIVE_SAVES.pop(self.save_id, None)
+        self._lock_held = False
         if checkpoint_id:
             new_path = normalize_path(checkpoint_id)
             if new_path != self.path:
@@ -288,6 +296,7 @@ class CheckpointWriter(StorageWriter):
         for _ in range(2):
             if store.create_exclusive(LOCK_FILE, record):
                 self._lock_held = True
+                _LIVE_SAVES[self.save_id] = self
                 return
             try:
                 other = json.loads(store.read_file(LOCK_FILE))
@@ -296,20 +305,23 @@ class CheckpointWriter(StorageWriter):
             if not isinstance(other, dict):
                 other = {}
             age = time.time() - float(other.get("started", 0) or 0)
-            if age < STALE_LOCK_SECONDS:
+            if age < STALE_LOCK_SECONDS and not _abandoned_here(other):
                 raise CheckpointInProgressError(
                     f"another save to {store.url} is in progress (save {other.get('save_id', '?')} "
                     f"by pid {other.get('pid', '?')} on {other.get('host', '?')}, started {age:.0f} s "
                     f"ago). Wait for it or save to another path; if that job died, delete "
                     f"{store.describe(LOCK_FILE)} (it counts as abandoned after "
-                    f"{STALE_LOCK_SECONDS // 60} minutes).",
+                    f"{STALE_LOCK_SECONDS // 60} minutes, or at once on the host that "
+                    f"wrote it when its process has exited).",
                     store.url,
                 )
-            log.warning("taking over the lock of an abandoned save at %s (%.0f s old)", store.url, age)
+            log.warning("taking over the lock of an abandoned save at %s (%.0f s old, pid %s on %s)",
+                        store.url, age, other.get("pid"), other.get("host"))
             store.delete(LOCK_FILE)
         raise CheckpointInProgressError(f"could not take the save lock of {store.url}", store.url)
 
     def _release_lock(self) -> None:
+        _LIVE_SAVES.pop(self.save_id, None)
         if self._lock_held:
             self._lock_held = False
             try:
@@ -555,6 +567,29 @@ def _tensor_for_storage(data: Any, item: WriteItem) -> torch.Tensor:
             f"{tuple(item.tensor_data.chunk.sizes)}"
         )
     return tensor
+
+
+def _abandoned_here(lock: dict[str, Any]) -> bool:
+    """Whether a lock was left on this host by this process (an earlier save
+    that failed: stock ``dcp.save`` has no failure hook) or by a process that
+    no longer runs. Locks from other hosts cannot be checked."""
+    if lock.get("host") != socket.gethostname():
+        return False
+    try:
+        pid = int(lock["pid"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if pid == os.getpid():
+        # Ours: abandoned unless a writer of this process still holds it
+        # (a concurrent save from another thread, not an earlier failure).
+        return lock.get("save_id") not in _LIVE_SAVES
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _raw_view(data: Any, item: WriteItem) -> tuple[torch.Tensor | None, memoryview]:

@@ -22,7 +22,7 @@ def _filled(value: float) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("kind", ["local", "moto"])
+@pytest.mark.parametrize("kind", ["local", "moto", "seaweedfs"])
 def test_second_save_of_a_tag_in_progress_fails_cleanly(kind: str, make_backend) -> None:
     """Job B starts saving the same checkpoint while job A is between its data
     and its metadata: B fails with CheckpointInProgressError before writing a
@@ -129,3 +129,33 @@ def test_reader_racing_a_pruning_writer_gets_whole_checkpoints(tmp_path: Path) -
     assert errors == [], errors
     assert len(loads) >= 3 and loads == sorted(loads), loads
     assert dcp_ext.CheckpointManager(root).tags() == ["s12"]
+
+
+def test_abandoned_locks_are_taken_over(tmp_path: Path) -> None:
+    """A lock left by a process that died (this host), or older than an hour,
+    does not block a save; a fresh lock from another host does."""
+    import json
+    import socket
+    import time
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    state = {"w": torch.ones(4)}
+    cases = [
+        ({"save_id": "x", "started": time.time(), "host": socket.gethostname(), "pid": int(dead.stdout)}, True),
+        ({"save_id": "x", "started": time.time() - 7200, "host": "elsewhere", "pid": 1}, True),
+        ({"save_id": "x", "started": time.time(), "host": "elsewhere", "pid": 1}, False),
+    ]
+    for n, (lock, takes_over) in enumerate(cases):
+        path = tmp_path / f"c{n}"
+        path.mkdir()
+        (path / ".dcp_ext.saving").write_text(json.dumps(lock))
+        if takes_over:
+            dcp_ext.save(state, path)
+            assert not (path / ".dcp_ext.saving").exists()
+            out = {"w": torch.zeros(4)}
+            dcp_ext.load(out, path)
+            assert torch.equal(out["w"], state["w"])
+        else:
+            with pytest.raises(dcp_ext.CheckpointInProgressError, match="by pid 1 on elsewhere"):
+                dcp_ext.save(state, path)
+            assert sorted(p.name for p in path.iterdir()) == [".dcp_ext.saving"]

@@ -24,8 +24,10 @@ def test_world_of_two(tmp_path, moto_server) -> None:
         assert "incomplete" in report["broken_error"]
         assert report["wrapper_error"] == "RuntimeError: injected failure on rank 1"
     assert sum(r["local_bytes_read"] for r in reports) >= total
-    # Rank 0's data file was committed but nothing references it; rank 1 aborted.
-    assert reports[0]["broken_names"] == ["__0_0.distcp"]
+    # Rank 0's data file was committed but nothing references it; rank 1
+    # aborted; stock dcp.save has no failure hook, so the save lock stays (a
+    # retry from this host takes it over, see test_concurrency.py).
+    assert reports[0]["broken_names"] == [".dcp_ext.saving", "__0_0.distcp"]
     # dcp_ext.save removed every rank's committed files after the failure.
     assert reports[0]["cleaned_names"] == []
 

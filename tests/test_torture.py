@@ -14,7 +14,7 @@ def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path) -> None
     # the whole job, then a clean save that must tidy up every leftover.
     crashes = [
         "none", "1:before_data", "0:mid_data", "all:after_data", "0:before_metadata",
-        "none", "1:before_newest", "0:mid_retention", "all:random:0.05", "none",
+        "none", "0:before_newest", "0:mid_retention", "all:random:0.05", "none",
     ]
     lines: list[str] = []
     stats = run_trials(tmp_path, 0, crashes=crashes, log=lines.append)

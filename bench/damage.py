@@ -1,0 +1,54 @@
+"""Damage trials: ``python -m bench.damage [--trials 500] [--seed 1]``.
+
+Runs ``tests/damage_trials.py`` on an uncompressed and a zstd root: each trial
+damages a copy of a good checkpoint root (byte flip, truncation, deleted
+shard, deleted or garbled metadata, stale ``newest``) and checks the damage is
+detected and never loaded as wrong data. Writes
+``bench/results/damage-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from damage_trials import make_root, run_trials  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--trials", type=int, default=500, help="trials per compression setting")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    result: dict = {"date": datetime.date.today().isoformat(), "runs": {}}
+    bad = 0
+    for compression in (None, "zstd"):
+        with tempfile.TemporaryDirectory(prefix="dcp_ext_damage_") as tmp:
+            base = Path(tmp) / "base"
+            make_root(base, compression)
+            start = time.monotonic()
+            stats = run_trials(base, Path(tmp), args.trials, seed=args.seed)
+            name = compression or "uncompressed"
+            result["runs"][name] = {
+                "trials": stats.trials, "detected": stats.detected, "by_kind": stats.by_kind,
+                "how": stats.how, "violations": stats.violations, "seconds": time.monotonic() - start,
+            }
+            bad += len(stats.violations)
+            print(f"{name}: {stats.trials} trials, {stats.detected} detected, {len(stats.violations)} "
+                  f"violations; by kind (trials, detected) {stats.by_kind}; how {stats.how}", flush=True)
+    out = ROOT / "bench" / "results" / f"damage-{result['date']}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"written to {out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

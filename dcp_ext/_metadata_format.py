@@ -280,7 +280,7 @@ def encode_metadata(
     return data.replace(_INTEGRITY_PLACEHOLDER.encode(), digest)
 
 
-def check_integrity(data: bytes, where: str) -> None:
+def check_integrity(data: bytes, where: str) -> bool:
     """Check the document's own checksum (the ``integrity`` field: xxh3-64 of
     the document with that field's digest zeroed). Documents written before
     the field existed pass.
@@ -291,8 +291,8 @@ def check_integrity(data: bytes, where: str) -> None:
     found = _INTEGRITY_RE.search(data)
     if found is None:
         if b'"integrity"' in data:
-            raise CheckpointCorruptError(f"{where}: its integrity field is damaged", where)
-        return
+            raise CheckpointCorruptError(f"{where} is damaged: its integrity field is unreadable", where)
+        return False
     zeroed = data[: found.start(1)] + _INTEGRITY_PLACEHOLDER.encode() + data[found.end(1) :]
     actual = f"xxh3-64:{xxhash.xxh3_64_intdigest(zeroed):016x}".encode()
     if actual != found.group(1):
@@ -302,6 +302,7 @@ def check_integrity(data: bytes, where: str) -> None:
             f"file or load an earlier checkpoint.",
             where,
         )
+    return True
 
 
 def _frame_fields(item: StoredItem) -> dict[str, Any]:
@@ -421,7 +422,7 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
     Raises:
         CheckpointCorruptError: The document is not valid dcp_ext metadata.
     """
-    check_integrity(data, where)
+    verified = check_integrity(data, where)
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as err:
@@ -435,6 +436,14 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
         raise CheckpointCorruptError(
             f"{where} has metadata version {version!r}; this dcp_ext reads versions "
             f"{', '.join(map(str, _READABLE_VERSIONS))}. Upgrade dcp_ext to load it.",
+            where,
+        )
+    if version >= 2 and not verified:
+        # Every version-2 document ends with its checksum: a missing one
+        # means the field itself was damaged (e.g. a flipped byte in its name).
+        raise CheckpointCorruptError(
+            f"{where} is damaged: its integrity checksum is missing. Restore the file or load "
+            f"an earlier checkpoint.",
             where,
         )
     try:

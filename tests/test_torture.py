@@ -18,7 +18,9 @@ def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path) -> None
     ]
     lines: list[str] = []
     stats = run_trials(tmp_path, 0, crashes=crashes, log=lines.append)
-    assert stats.trials == len(crashes) and stats.armed == 7 and stats.kills == 7, "\n".join(lines)
+    # The six crash points always fire; the random-time kill may come after
+    # a fast save already finished (the job then exits 0 and is checked too).
+    assert stats.trials == len(crashes) and stats.armed == 7 and stats.kills in (6, 7), "\n".join(lines)
     assert stats.violations == [], "\n".join(lines)
     # before_newest and mid_retention kill after the commit: those tags exist.
     assert stats.committed_despite_kill >= 2, "\n".join(lines)

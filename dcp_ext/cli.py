@@ -1,0 +1,229 @@
+"""``dcp-ext`` / ``python -m dcp_ext``: a thin command line over the library.
+
+Commands: ``ls ROOT``, ``inspect CHECKPOINT``, ``verify CHECKPOINT``,
+``export CHECKPOINT OUT``, ``prune ROOT --keep N [--dry-run]``, ``demo``.
+Paths are local paths or ``s3://`` URLs; S3 options come from
+``--endpoint-url`` / ``--storage-options JSON`` or the usual AWS environment.
+Errors print one line and exit 2 (``--verbose`` shows the cause chain);
+``verify`` exits 1 when it finds damage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import sys
+import traceback
+from typing import Any
+
+from . import demo
+from ._metadata_format import METADATA_FILE, StoredItem, decode_metadata
+from .config import IOConfig
+from .errors import CheckpointNotFoundError, DcpExtError
+from .layout import NEWEST_FILE, PARTIAL_SUFFIX, select_for_deletion
+from .storage import join_path, normalize_path, open_store
+
+__all__ = ["main"]
+
+log = logging.getLogger("dcp_ext.cli")
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = json.loads(args.storage_options) if args.storage_options else {}
+    if args.endpoint_url:
+        options.setdefault("client_kwargs", {})["endpoint_url"] = args.endpoint_url
+        options.setdefault("config_kwargs", {"s3": {"addressing_style": "path"}})
+    return options
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _load_metadata(path: str, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    store = open_store(path, IOConfig.from_env(), options)
+    raw = store.read_file(METADATA_FILE)
+    decoded = decode_metadata(raw, store.describe(METADATA_FILE))
+    return decoded, json.loads(raw)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    options = _options(args)
+    root = normalize_path(args.root)
+    store = open_store(root, IOConfig.from_env(), options)
+    try:
+        newest = store.read_file(NEWEST_FILE).decode().strip()
+    except CheckpointNotFoundError:
+        newest = None
+    rows = [["tag", "state", "newest", "stored", "ratio", "world", "mesh", "created"]]
+    for name in store.list_dirs():
+        if not name.endswith(PARTIAL_SUFFIX):
+            continue
+        tag = name[: -len(PARTIAL_SUFFIX)]
+        path = join_path(root, name)
+        try:
+            decoded, doc = _load_metadata(path, options)
+        except CheckpointNotFoundError:
+            rows.append([tag, "incomplete", "", "", "", "", "", ""])
+            continue
+        items: list[StoredItem] = list(decoded.metadata.storage_data.values())
+        stored = sum(decoded.files.values())
+        raw = sum(i.raw_size for i in items)
+        data = sum(i.data_length for i in items) or 1
+        mesh = ""
+        try:
+            partition = json.loads(open_store(path, IOConfig.from_env(), options).read_file("partition.json"))
+            if partition.get("mesh"):
+                m = partition["mesh"]
+                mesh = "x".join(f"{d}={s}" for d, s in zip(m.get("dim_names") or [], m.get("shape") or []))
+        except (CheckpointNotFoundError, ValueError):
+            pass
+        created = datetime.datetime.fromtimestamp(float(doc.get("created", 0))).strftime("%Y-%m-%d %H:%M:%S")
+        rows.append([tag, "committed", "*" if tag == newest else "", _size(stored), f"{raw / data:.2f}",
+                     str(decoded.world_size), mesh, created])
+    print(_table(rows))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    decoded, _ = _load_metadata(normalize_path(args.checkpoint), _options(args))
+    metadata = decoded.metadata
+    by_key: dict[str, list[StoredItem]] = {}
+    for index, item in metadata.storage_data.items():
+        by_key.setdefault(index.fqn, []).append(item)
+    entries = []
+    for fqn, md in sorted(metadata.state_dict_metadata.items()):
+        items = by_key.get(fqn, [])
+        codecs = sorted({"+".join(i.transforms) or "raw" for i in items})
+        tensor = hasattr(md, "chunks")
+        entries.append({
+            "key": fqn,
+            "dtype": str(md.properties.dtype).removeprefix("torch.") if tensor else "bytes",
+            "shape": list(md.size) if tensor else None,
+            "shards": len(items),
+            "stored_bytes": sum(i.data_length for i in items),
+            "raw_bytes": sum(i.raw_size for i in items),
+            "codec": ",".join(codecs),
+        })
+    if args.json:
+        print(json.dumps({"world_size": decoded.world_size, "files": decoded.files, "keys": entries}, indent=1))
+        return 0
+    rows = [["key", "dtype", "shape", "shards", "stored", "codec"]]
+    for e in entries:
+        shape = "x".join(map(str, e["shape"])) if e["shape"] is not None else "-"
+        rows.append([e["key"], e["dtype"], shape or "scalar", str(e["shards"]), _size(e["stored_bytes"]), e["codec"]])
+    print(_table(rows))
+    print(f"{len(entries)} keys, {len(decoded.files)} files, {_size(sum(decoded.files.values()))} stored, "
+          f"saved by {decoded.world_size} rank(s)")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .integrity import verify
+
+    def progress(done: int, total: int) -> None:
+        if not args.quiet:
+            sys.stderr.write(f"\rverifying: {100 * done / max(total, 1):5.1f}% of {_size(total)}")
+            sys.stderr.flush()
+
+    report = verify(normalize_path(args.checkpoint), storage_options=_options(args), progress=progress)
+    if not args.quiet:
+        sys.stderr.write("\n")
+    print(report)
+    return 0 if report.ok else 1
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .manager import CheckpointManager
+
+    path = normalize_path(args.checkpoint).rstrip("/")
+    root, _, name = path.rpartition("/")
+    if not name.endswith(PARTIAL_SUFFIX):
+        raise ValueError(f"{path} is not a partial checkpoint directory (its name must end with {PARTIAL_SUFFIX})")
+    manager = CheckpointManager(root, storage_options=_options(args))
+    out = normalize_path(args.out)
+    if "/" not in out:
+        out = "./" + out
+    print(f"exporting {path} to {out} ({args.format}) ...", file=sys.stderr)
+    written = manager.export(name[: -len(PARTIAL_SUFFIX)], out=out, full_format=args.format,
+                             include_optimizer=args.include_optimizer, overwrite=args.overwrite)
+    print(written)
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from .manager import CheckpointManager
+
+    manager = CheckpointManager(args.root, storage_options=_options(args))
+    newest = manager.read_newest()
+    doomed = select_for_deletion(manager.committed(), args.keep, protect={newest} if newest else set())
+    for tag in doomed:
+        print(f"{'would delete' if args.dry_run else 'deleting'} {tag}")
+        if not args.dry_run:
+            manager.delete(tag, full=False)
+    print(f"{len(doomed)} of {len(manager.committed()) + (0 if args.dry_run else len(doomed))} "
+          f"partial checkpoints {'would be ' if args.dry_run else ''}deleted; newest is {newest}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dcp-ext", description="dcp_ext command-line tool")
+    parser.add_argument("--verbose", "-v", action="store_true", help="show the full cause chain of errors")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def storage(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--endpoint-url", help="S3 endpoint (e.g. http://127.0.0.1:9000)")
+        p.add_argument("--storage-options", help="fsspec/s3fs options as JSON")
+
+    p = commands.add_parser("ls", help="list the checkpoints under a root")
+    p.add_argument("root")
+    storage(p)
+    p = commands.add_parser("inspect", help="keys, dtypes, shapes, shards, stored bytes, codecs")
+    p.add_argument("checkpoint")
+    p.add_argument("--json", action="store_true")
+    storage(p)
+    p = commands.add_parser("verify", help="check every checksum; exit 1 on damage")
+    p.add_argument("checkpoint")
+    p.add_argument("--quiet", "-q", action="store_true")
+    storage(p)
+    p = commands.add_parser("export", help="write a full single-file checkpoint from a partial one")
+    p.add_argument("checkpoint", help="ROOT/{tag}_partial")
+    p.add_argument("out", help="output file path or URL")
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    p.add_argument("--include-optimizer", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    storage(p)
+    p = commands.add_parser("prune", help="delete old partial checkpoints, keeping the newest N")
+    p.add_argument("root")
+    p.add_argument("--keep", type=int, required=True)
+    p.add_argument("--dry-run", action="store_true")
+    storage(p)
+    demo.add_arguments(commands.add_parser("demo", help="save and load a sharded checkpoint across 2 local processes"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    handlers = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export, "prune": cmd_prune}
+    try:
+        if args.command == "demo":
+            return demo.run(args.path, args.width, args.depth)
+        return handlers[args.command](args)
+    except (DcpExtError, OSError, ValueError, KeyError) as err:
+        if args.verbose:
+            traceback.print_exception(err)
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"dcp-ext: error: {message}", file=sys.stderr)
+        return 2

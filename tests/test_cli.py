@@ -1,0 +1,85 @@
+"""The ``dcp-ext`` command line, through its real entry point (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dcp_ext
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dcp_ext", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("kind", ["local", "moto"])
+def test_cli_commands(kind: str, make_backend, tmp_path: Path) -> None:
+    backend = make_backend(kind)
+    root = backend.url("cli")
+    opts = ["--storage-options", json.dumps(backend.storage_options)] if backend.storage_options else []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    for i in range(3):
+        dcp_ext.save_checkpoint(root, f"s{i}", model, storage_options=backend.storage_options,
+                                user_content={"step": i}, compression="zstd" if i == 2 else None)
+
+    listed = _run("ls", root, *opts)
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines[0].split()[:3] == ["tag", "state", "newest"]
+    assert [line.split()[0] for line in lines[1:]] == ["s0", "s1", "s2"]
+    assert "*" in lines[3].split() and "committed" in lines[1]
+
+    inspected = _run("inspect", f"{root}/s2_partial", "--json", *opts)
+    assert inspected.returncode == 0, inspected.stderr
+    doc = json.loads(inspected.stdout)
+    keys = {k["key"]: k for k in doc["keys"]}
+    assert keys["model.0.weight"]["dtype"] == "float32" and keys["model.0.weight"]["shape"] == [64, 64]
+    assert keys["model.0.weight"]["codec"] == "bytegroup.4/1+zstd.planes.4/1"
+    assert keys["model.0.weight"]["raw_bytes"] == 64 * 64 * 4
+    table = _run("inspect", f"{root}/s1_partial", *opts)
+    assert "model.0.weight" in table.stdout and "raw" in table.stdout
+
+    ok = _run("verify", f"{root}/s2_partial", "--quiet", *opts)
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("OK"), ok.stdout + ok.stderr
+
+    out = tmp_path / "full.safetensors"
+    exported = _run("export", f"{root}/s1_partial", str(out), *opts)
+    assert exported.returncode == 0, exported.stderr
+    from safetensors.torch import load_file
+
+    full = load_file(str(out))  # a full model checkpoint: the model's own key names
+    assert sorted(full) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert torch.equal(full["0.weight"], model[0].weight.detach())
+
+    dry = _run("prune", root, "--keep", "1", "--dry-run", *opts)
+    assert dry.returncode == 0 and "would delete s0" in dry.stdout and "would delete s1" in dry.stdout
+    assert dcp_ext.CheckpointManager(root, storage_options=backend.storage_options).tags() == ["s0", "s1", "s2"]
+    pruned = _run("prune", root, "--keep", "1", *opts)
+    assert pruned.returncode == 0, pruned.stderr
+    assert dcp_ext.CheckpointManager(root, storage_options=backend.storage_options).tags() == ["s2"]
+
+
+def test_cli_damage_and_errors(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    dcp_ext.save_checkpoint(root, "s", torch.nn.Linear(256, 256))
+    data = next((root / "s_partial").glob("model_*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    bad = _run("verify", str(root / "s_partial"))
+    assert bad.returncode == 1
+    assert "1 problem(s)" in bad.stdout and "checksum mismatch" in bad.stdout and data.name in bad.stdout
+
+    missing = _run("inspect", str(tmp_path / "nothing"))
+    assert missing.returncode == 2
+    lines = missing.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dcp-ext: error: ") and "nothing" in lines[0]
+    verbose = _run("--verbose", "inspect", str(tmp_path / "nothing"))
+    assert verbose.returncode == 2 and "Traceback" in verbose.stderr
+    assert _run("prune", str(root), "--keep", "0").returncode == 2

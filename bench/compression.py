@@ -49,6 +49,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import zstandard  # noqa: E402
 
 import dcp_ext  # noqa: E402
+from bench.report import update_readme  # noqa: E402
 from bench.state import build_state, make_spec  # noqa: E402
 from dcp_ext.codecs import ZstdCodec, decode_frame, encode_frame  # noqa: E402
 from dcp_ext.config import parse_size, usable_cores  # noqa: E402
@@ -363,15 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(result)
     print(table)
     if not args.no_readme:
-        readme = ROOT / "bench" / "README.md"
-        text = readme.read_text()
-        start, end = "<!-- compression:start -->", "<!-- compression:end -->"
-        block = f"{start}\n{table}\n{end}"
-        if start in text:
-            text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-        else:
-            text = text.rstrip("\n") + "\n\n## Compression and checksums (`python -m bench.compression`)\n\n" + block + "\n"
-        readme.write_text(text)
+        update_readme(ROOT / "bench" / "README.md", table, "compression")
     print(f"results written to {out}")
     return 0
 

@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from dist import run_world  # noqa: E402
 
 from dcp_ext.config import parse_size  # noqa: E402
+from bench.report import update_readme  # noqa: E402
 from bench.state import make_spec  # noqa: E402
 
 
@@ -255,13 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(record)
     print(table)
     if not args.no_readme:
-        readme = ROOT / "bench" / "README.md"
-        text = readme.read_text()
-        start, end = "<!-- finetune:start -->", "<!-- finetune:end -->"
-        if start in text:
-            head, _, rest = text.partition(start)
-            _, _, tail = rest.partition(end)
-            readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+        update_readme(ROOT / "bench" / "README.md", table, "finetune")
     print(f"results written to {out}")
     return 0
 

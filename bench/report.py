@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import Any
 
 MiB = 1 << 20
-START = "<!-- results:start -->"
-END = "<!-- results:end -->"
 
 # (id, kind, op, numerator role, denominator role, threshold, text)
 TARGETS: list[tuple[str, str, str, str, str, float, str]] = [
@@ -235,10 +233,13 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, markdown: str) -> None:
+def update_readme(readme: Path, markdown: str, block: str = "results") -> None:
+    """Put ``markdown`` between the ``<!-- {block}:start/end -->`` markers of
+    ``readme`` (appended at the end if the markers are missing)."""
+    start, end = f"<!-- {block}:start -->", f"<!-- {block}:end -->"
     text = readme.read_text()
-    if START not in text or END not in text:
-        text = text.rstrip() + f"\n\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{markdown}\n{END}{tail}")
+    if start not in text or end not in text:
+        text = text.rstrip() + f"\n\n{start}\n{end}\n"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{markdown}\n{end}{tail}")

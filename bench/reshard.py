@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from dist import run_world  # noqa: E402
 
+from bench.report import update_readme  # noqa: E402
 from bench.state import make_spec  # noqa: E402
 from dcp_ext.config import parse_size  # noqa: E402
 
@@ -233,13 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(record)
     print(table)
     if not args.no_readme:
-        readme = ROOT / "bench" / "README.md"
-        text = readme.read_text()
-        start, end = "<!-- reshard:start -->", "<!-- reshard:end -->"
-        if start in text:
-            head, _, rest = text.partition(start)
-            _, _, tail = rest.partition(end)
-            readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+        update_readme(ROOT / "bench" / "README.md", table, "reshard")
     print(f"results written to {out}")
     return 0
 

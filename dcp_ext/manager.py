@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import socket
 import threading
 import time
 import warnings
@@ -70,7 +69,7 @@ from .reader import CheckpointReader
 from .storage import Store, join_path, normalize_path, open_store
 from .storage.local import TMP_MARK
 from .user_content import decode_user_content, encode_user_content
-from .writer import DATA_SUFFIX, LOCK_FILE, STALE_LOCK_SECONDS, CheckpointWriter
+from .writer import DATA_SUFFIX, LOCK_FILE, STALE_LOCK_SECONDS, CheckpointWriter, lock_holder_running
 
 __all__ = ["CheckpointManager", "ResumeResult", "save_checkpoint", "resume_from_checkpoint"]
 
@@ -694,24 +693,16 @@ def _read_optional(store: Store, name: str) -> bytes | None:
 
 
 def _lock_is_live(store: Store) -> bool:
-    """Whether ``store``'s checkpoint is being saved right now by a live
-    process on this host (its lock names this host and a running pid). A
-    lock from another host cannot be checked and counts as abandoned: one
-    job saves to a root at a time."""
+    """Whether ``store``'s checkpoint is being saved right now by a running
+    save on this host. A lock from another host cannot be checked and counts
+    as abandoned: one job saves to a root at a time."""
     try:
         record = json.loads(store.read_file(LOCK_FILE))
         if time.time() - float(record["started"]) >= STALE_LOCK_SECONDS:
             return False
-        if record.get("host") != socket.gethostname():
-            return False
-        os.kill(int(record["pid"]), 0)
-    except (CheckpointNotFoundError, ProcessLookupError):
+    except (DcpExtError, ValueError, KeyError, TypeError):
         return False
-    except PermissionError:
-        return True  # the process exists (another user's)
-    except (DcpExtError, ValueError, KeyError, TypeError, OSError):
-        return False
-    return True
+    return lock_holder_running(record) is True
 
 
 def save_checkpoint(

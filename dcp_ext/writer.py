@@ -305,7 +305,7 @@ class CheckpointWriter(StorageWriter):
             if not isinstance(other, dict):
                 other = {}
             age = time.time() - float(other.get("started", 0) or 0)
-            if age < STALE_LOCK_SECONDS and not _abandoned_here(other):
+            if age < STALE_LOCK_SECONDS and lock_holder_running(other) is not False:
                 raise CheckpointInProgressError(
                     f"another save to {store.url} is in progress (save {other.get('save_id', '?')} "
                     f"by pid {other.get('pid', '?')} on {other.get('host', '?')}, started {age:.0f} s "
@@ -569,27 +569,27 @@ def _tensor_for_storage(data: Any, item: WriteItem) -> torch.Tensor:
     return tensor
 
 
-def _abandoned_here(lock: dict[str, Any]) -> bool:
-    """Whether a lock was left on this host by this process (an earlier save
-    that failed: stock ``dcp.save`` has no failure hook) or by a process that
-    no longer runs. Locks from other hosts cannot be checked."""
+def lock_holder_running(lock: dict[str, Any]) -> bool | None:
+    """Whether the save that wrote ``lock`` (the JSON of a ``LOCK_FILE``) is
+    still running: checked for locks written on this host (by pid; for this
+    process, whether one of its writers still holds it, since an earlier
+    stock ``dcp.save`` that failed never releases its lock). ``None`` for
+    locks from other hosts, which cannot be checked."""
     if lock.get("host") != socket.gethostname():
-        return False
+        return None
     try:
         pid = int(lock["pid"])
     except (KeyError, TypeError, ValueError):
-        return False
+        return None
     if pid == os.getpid():
-        # Ours: abandoned unless a writer of this process still holds it
-        # (a concurrent save from another thread, not an earlier failure).
-        return lock.get("save_id") not in _LIVE_SAVES
+        return lock.get("save_id") in _LIVE_SAVES
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
-    except OSError:
         return False
-    return False
+    except OSError:
+        return True  # exists (e.g. another user's process)
+    return True
 
 
 def _raw_view(data: Any, item: WriteItem) -> tuple[torch.Tensor | None, memoryview]:

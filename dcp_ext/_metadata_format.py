@@ -274,10 +274,26 @@ def encode_metadata(
         "items": records,
         "files": files,
     }
+    return seal(document)
+
+
+def seal(document: dict[str, Any]) -> bytes:
+    """Serialize a metadata document with its ``integrity`` checksum last."""
+    document = {k: v for k, v in document.items() if k != "integrity"}
     document["integrity"] = _INTEGRITY_PLACEHOLDER
     data = json.dumps(document, separators=(",", ":")).encode()
     digest = f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}".encode()
     return data.replace(_INTEGRITY_PLACEHOLDER.encode(), digest)
+
+
+def chunk_shapes(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]:
+    """``(key, chunk offsets) -> (dtype, chunk sizes)`` for every stored tensor chunk."""
+    shapes = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for chunk in md.chunks:
+                shapes[(fqn, tuple(chunk.offsets))] = (md.properties.dtype, tuple(int(s) for s in chunk.sizes))
+    return shapes
 
 
 def check_integrity(data: bytes, where: str) -> bool:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ._frames import FrameSpan, FrameTable, checksum
-from ._metadata_format import METADATA_FILE, StoredItem, decode_metadata
+from ._metadata_format import METADATA_FILE, StoredItem, chunk_shapes, decode_metadata
 from ._ranges import Piece, plan_requests
 from ._torch_format import torch_save_envelope
 from .codecs import check_descriptors, decode_frame
@@ -177,7 +177,7 @@ def verify(
     # torch.save envelope around an uncompressed tensor (index -1).
     batch: list[tuple[MetadataIndex, StoredItem, FrameSpan, memoryview, Callable[[memoryview], str]]] = []
     batch_bytes = 0
-    chunks = _chunk_shapes(decoded.metadata)
+    chunks = chunk_shapes(decoded.metadata)
 
     def run_batch() -> None:
         nonlocal done, frames, batch_bytes
@@ -233,15 +233,6 @@ def verify(
         store.url, len(decoded.files), frames, done, unchecked,
         tuple(sorted(problems, key=lambda p: (p.file, p.start))),
     )
-
-
-def _chunk_shapes(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]:
-    shapes = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            for chunk in md.chunks:
-                shapes[(fqn, tuple(chunk.offsets))] = (md.properties.dtype, tuple(int(s) for s in chunk.sizes))
-    return shapes
 
 
 def _envelope_regions(

@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -40,6 +39,7 @@ from ._metadata_format import (
     METADATA_FILE,
     TORCH_METADATA_FILE,
     StoredItem,
+    chunk_shapes,
     decode_metadata,
     load_torch_metadata,
     validate_file_name,
@@ -336,14 +336,7 @@ class CheckpointReader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointCorruptError(f"metadata of {self.path} has no storage map", self.path)
         self.storage_data = metadata.storage_data
-        self._chunks = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                for chunk in md.chunks:
-                    self._chunks[(fqn, tuple(chunk.offsets))] = (
-                        md.properties.dtype,
-                        tuple(int(s) for s in chunk.sizes),
-                    )
+        self._chunks = chunk_shapes(metadata)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """(all ranks) No storage-specific planning."""

@@ -10,17 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import xxhash
+from dcp_ext._metadata_format import seal as sign
 
-PLACEHOLDER = "xxh3-64:" + "0" * 16
-
-
-def sign(doc: dict[str, Any]) -> bytes:
-    doc = {k: v for k, v in doc.items() if k != "integrity"}
-    doc["integrity"] = PLACEHOLDER
-    data = json.dumps(doc, separators=(",", ":")).encode()
-    digest = f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}".encode()
-    return data.replace(PLACEHOLDER.encode(), digest)
+__all__ = ["sign", "edit_metadata"]
 
 
 def edit_metadata(path: Path, change: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:

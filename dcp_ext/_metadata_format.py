@@ -426,6 +426,7 @@ class DecodedMetadata:
     metadata: Metadata
     files: dict[str, int]
     world_size: int
+    created: float = 0.0
 
 
 def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
@@ -541,6 +542,7 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
             version=str(doc.get("dcp_version", DCP_VERSION)),
         )
         world_size = int(doc.get("world_size", 0))
+        created = float(doc.get("created", 0) or 0)
     except CheckpointCorruptError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -548,7 +550,7 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
             f"{where} is malformed ({type(err).__name__}: {err}); the metadata file is damaged",
             where,
         ) from err
-    return DecodedMetadata(metadata, files, world_size)
+    return DecodedMetadata(metadata, files, world_size, created)
 
 
 # -- torch's pickle, restricted -------------------------------------------------

@@ -19,7 +19,9 @@ import traceback
 from typing import Any
 
 from . import demo
-from ._metadata_format import METADATA_FILE, StoredItem, decode_metadata
+from ._metadata_format import METADATA_FILE, DecodedMetadata, StoredItem, decode_metadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from .config import IOConfig
 from .errors import CheckpointNotFoundError, DcpExtError
 from .layout import NEWEST_FILE, PARTIAL_SUFFIX, select_for_deletion
@@ -51,11 +53,9 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def _load_metadata(path: str, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _load_metadata(path: str, options: dict[str, Any]) -> DecodedMetadata:
     store = open_store(path, IOConfig.from_env(), options)
-    raw = store.read_file(METADATA_FILE)
-    decoded = decode_metadata(raw, store.describe(METADATA_FILE))
-    return decoded, json.loads(raw)
+    return decode_metadata(store.read_file(METADATA_FILE), store.describe(METADATA_FILE))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -73,7 +73,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         tag = name[: -len(PARTIAL_SUFFIX)]
         path = join_path(root, name)
         try:
-            decoded, doc = _load_metadata(path, options)
+            decoded = _load_metadata(path, options)
         except CheckpointNotFoundError:
             rows.append([tag, "incomplete", "", "", "", "", "", ""])
             continue
@@ -89,7 +89,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 mesh = "x".join(f"{d}={s}" for d, s in zip(m.get("dim_names") or [], m.get("shape") or []))
         except (CheckpointNotFoundError, ValueError):
             pass
-        created = datetime.datetime.fromtimestamp(float(doc.get("created", 0))).strftime("%Y-%m-%d %H:%M:%S")
+        created = datetime.datetime.fromtimestamp(decoded.created).strftime("%Y-%m-%d %H:%M:%S")
         rows.append([tag, "committed", "*" if tag == newest else "", _size(stored), f"{raw / data:.2f}",
                      str(decoded.world_size), mesh, created])
     print(_table(rows))
@@ -97,20 +97,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    decoded, _ = _load_metadata(normalize_path(args.checkpoint), _options(args))
+    decoded = _load_metadata(normalize_path(args.checkpoint), _options(args))
     metadata = decoded.metadata
     by_key: dict[str, list[StoredItem]] = {}
     for index, item in metadata.storage_data.items():
         by_key.setdefault(index.fqn, []).append(item)
-    entries = []
+    entries: list[dict[str, Any]] = []
     for fqn, md in sorted(metadata.state_dict_metadata.items()):
         items = by_key.get(fqn, [])
         codecs = sorted({"+".join(i.transforms) or "raw" for i in items})
-        tensor = hasattr(md, "chunks")
+        tensor = md if isinstance(md, TensorStorageMetadata) else None
         entries.append({
             "key": fqn,
-            "dtype": str(md.properties.dtype).removeprefix("torch.") if tensor else "bytes",
-            "shape": list(md.size) if tensor else None,
+            "dtype": str(tensor.properties.dtype).removeprefix("torch.") if tensor else "bytes",
+            "shape": list(tensor.size) if tensor else None,
             "shards": len(items),
             "stored_bytes": sum(i.data_length for i in items),
             "raw_bytes": sum(i.raw_size for i in items),

@@ -18,14 +18,16 @@ import sys
 import traceback
 from typing import Any
 
-from . import demo
-from ._metadata_format import METADATA_FILE, DecodedMetadata, StoredItem, decode_metadata
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from . import demo
+from ._metadata_format import METADATA_FILE, DecodedMetadata, StoredItem, decode_metadata
+from ._safetensors import MAX_HEADER, parse_header
 from .config import IOConfig
-from .errors import CheckpointNotFoundError, DcpExtError
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
+from .full import CREATED_KEY
 from .layout import NEWEST_FILE, PARTIAL_SUFFIX, select_for_deletion
-from .storage import join_path, normalize_path, open_store
+from .storage import Store, join_path, normalize_path, open_store
 
 __all__ = ["main"]
 
@@ -53,6 +55,69 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+class _ProgressBar:
+    """A one-line progress bar on stderr, called as ``bar(done, total)``.
+
+    On a terminal the line is redrawn in place; when stderr is a file or a
+    pipe only the final state is written, by :meth:`close`.
+    """
+
+    WIDTH = 30
+
+    def __init__(self, label: str, quiet: bool) -> None:
+        self.label = label
+        self.quiet = quiet
+        self.live = sys.stderr.isatty()
+        self.last: tuple[int, int] | None = None
+
+    def _line(self) -> str:
+        assert self.last is not None
+        done, total = self.last
+        fraction = min(done / total, 1.0) if total else 1.0
+        bar = "#" * int(self.WIDTH * fraction)
+        return f"{self.label} [{bar:<{self.WIDTH}}] {100 * fraction:5.1f}% of {_size(total)}"
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.quiet:
+            return
+        self.last = (done, total)
+        if self.live:
+            sys.stderr.write("\r" + self._line())
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        """End the bar's line (call before anything else is printed)."""
+        if self.last is not None:
+            sys.stderr.write(("\r" if self.live else "") + self._line() + "\n")
+            sys.stderr.flush()
+            self.last = None
+
+
+def _created(timestamp: float | None) -> str:
+    if not timestamp:
+        return ""
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _full_checkpoint_row(store: Store, name: str) -> list[str] | None:
+    """The ``ls`` row of a full checkpoint file, or ``None`` if ``name`` is not one."""
+    if name == NEWEST_FILE or name.startswith(("user_content_", ".")) or ".tmp" in name:
+        return None
+    head = store.read_head(name, 8)
+    size = store.size(name)
+    if head[:4] == b"PK\x03\x04":
+        return [name, "full (torch)", "", _size(size), "1.00", "", "", ""]
+    if len(head) < 8 or int.from_bytes(head, "little") > min(MAX_HEADER, size - 8):
+        return None
+    try:
+        header = parse_header(store.read_head(name, 8 + int.from_bytes(head, "little")), store.describe(name), size)
+    except CheckpointCorruptError:
+        return None
+    created = header.metadata.get(CREATED_KEY)
+    return [name, "full (safetensors)", "", _size(size), "1.00", "", "",
+            _created(float(created) if created else None)]
+
+
 def _load_metadata(path: str, options: dict[str, Any]) -> DecodedMetadata:
     store = open_store(path, IOConfig.from_env(), options)
     return decode_metadata(store.read_file(METADATA_FILE), store.describe(METADATA_FILE))
@@ -67,6 +132,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     except CheckpointNotFoundError:
         newest = None
     rows = [["tag", "state", "newest", "stored", "ratio", "world", "mesh", "created"]]
+    full_rows = [row for name in store.list_names() if (row := _full_checkpoint_row(store, name))]
     for name in store.list_dirs():
         if not name.endswith(PARTIAL_SUFFIX):
             continue
@@ -89,9 +155,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 mesh = "x".join(f"{d}={s}" for d, s in zip(m.get("dim_names") or [], m.get("shape") or []))
         except (CheckpointNotFoundError, ValueError):
             pass
-        created = datetime.datetime.fromtimestamp(decoded.created).strftime("%Y-%m-%d %H:%M:%S")
         rows.append([tag, "committed", "*" if tag == newest else "", _size(stored), f"{raw / data:.2f}",
-                     str(decoded.world_size), mesh, created])
+                     str(decoded.world_size), mesh, _created(decoded.created)])
+    rows.extend(full_rows)
+    if len(rows) == 1:
+        print(f"no checkpoints under {store.describe()}")
+        return 0
     print(_table(rows))
     return 0
 
@@ -132,14 +201,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from .integrity import verify
 
-    def progress(done: int, total: int) -> None:
-        if not args.quiet:
-            sys.stderr.write(f"\rverifying: {100 * done / max(total, 1):5.1f}% of {_size(total)}")
-            sys.stderr.flush()
-
-    report = verify(normalize_path(args.checkpoint), storage_options=_options(args), progress=progress)
-    if not args.quiet:
-        sys.stderr.write("\n")
+    bar = _ProgressBar("verifying", args.quiet)
+    try:
+        report = verify(normalize_path(args.checkpoint), storage_options=_options(args), progress=bar)
+    finally:
+        bar.close()
     print(report)
     return 0 if report.ok else 1
 
@@ -155,9 +221,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = normalize_path(args.out)
     if "/" not in out:
         out = "./" + out
-    print(f"exporting {path} to {out} ({args.format}) ...", file=sys.stderr)
-    written = manager.export(name[: -len(PARTIAL_SUFFIX)], out=out, full_format=args.format,
-                             include_optimizer=args.include_optimizer, overwrite=args.overwrite)
+    bar = _ProgressBar(f"exporting ({args.format})", args.quiet)
+    try:
+        written = manager.export(name[: -len(PARTIAL_SUFFIX)], out=out, full_format=args.format,
+                                 include_optimizer=args.include_optimizer, overwrite=args.overwrite, progress=bar)
+    finally:
+        bar.close()
     print(written)
     return 0
 
@@ -203,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
     p.add_argument("--include-optimizer", action="store_true")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     storage(p)
     p = commands.add_parser("prune", help="delete old partial checkpoints, keeping the newest N")
     p.add_argument("root")

@@ -7,6 +7,7 @@ next, so memory stays at about the largest tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -46,12 +47,17 @@ def export_partial(
     include_optimizer: bool = False,
     storage_options: dict[str, Any] | None = None,
     config: IOConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> int:
     """Stream the model (and optionally optimizer) tensors of ``source`` into ``target/name``.
 
     Keys of a checkpoint saved by :class:`~dcp_ext.CheckpointManager` lose their
     ``model.`` prefix (the file holds the model's own state-dict keys);
     optimizer tensors keep their flattened ``optimizer.`` keys.
+
+    Args:
+        progress: Called as ``progress(bytes_done, bytes_total)`` before each
+            tensor is read and once at the end (``bytes_done == bytes_total``).
 
     Returns:
         Bytes written.
@@ -72,7 +78,14 @@ def export_partial(
     specs = [FullTensorSpec(n, tensors[k].properties.dtype, tuple(int(s) for s in tensors[k].size)) for n, k in chosen]
     layout = full_layout(specs, full_format)
 
+    total = layout.total_bytes(specs)
+    done = 0
+
     def fetch(index: int) -> torch.Tensor:
+        nonlocal done
+        if progress is not None:
+            progress(done, total)
+        done += specs[index].nbytes
         key = chosen[index][1]
         md = tensors[key]
         dest = torch.empty(tuple(md.size), dtype=md.properties.dtype)
@@ -90,8 +103,9 @@ def export_partial(
         reader.read_data(LoadPlan(items), cast(LoadPlanner, _IntoTensor(dest)))
         return dest
 
-    total = layout.total_bytes(specs)
     with target.open_writer(name, size_hint=total) as writer:
         stream_full_checkpoint(writer, specs, layout, fetch)
         writer.commit()
+    if progress is not None:
+        progress(total, total)
     return total

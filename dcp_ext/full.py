@@ -17,6 +17,7 @@ in memory, and a partial checkpoint on storage (one ranged read per tensor).
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +29,13 @@ from ._safetensors import build_header
 from ._torch_format import _HoleRecorder, tensor_bytes
 from .storage import ObjectWriter
 
-__all__ = ["FULL_FORMATS", "FullTensorSpec", "full_layout", "stream_full_checkpoint"]
+__all__ = ["CREATED_KEY", "FULL_FORMATS", "FullTensorSpec", "full_layout", "stream_full_checkpoint"]
 
 FULL_FORMATS = ("safetensors", "torch")
+# Safetensors header metadata: when the file was written (Unix time, fixed
+# width so every rank computes a header of the same length). ``format: pt``
+# is the Hugging Face convention for PyTorch weights.
+CREATED_KEY = "dcp_ext.created"
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,8 @@ def full_layout(specs: Sequence[FullTensorSpec], fmt: str, metadata: dict[str, s
         TypeError: A dtype the format cannot hold.
     """
     if fmt == "safetensors":
-        header, _ = build_header(((s.name, s.dtype, s.shape) for s in specs), metadata=metadata)
+        stamped = {"format": "pt", CREATED_KEY: f"{time.time():014.3f}", **(metadata or {})}
+        header, _ = build_header(((s.name, s.dtype, s.shape) for s in specs), metadata=stamped)
         order = tuple(range(len(specs)))
         return FullLayout((header,) + (b"",) * len(specs), order)
     if fmt == "torch":

@@ -28,6 +28,7 @@ import re
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -638,6 +639,7 @@ class CheckpointManager:
         full_format: str = "safetensors",
         include_optimizer: bool = False,
         overwrite: bool = False,
+        progress: Callable[[int, int], None] | None = None,
     ) -> str:
         """Write a full checkpoint from a partial one, one tensor in memory at a time.
 
@@ -651,6 +653,8 @@ class CheckpointManager:
             full_format: ``"safetensors"`` or ``"torch"``.
             include_optimizer: Also export the optimizer's tensors.
             overwrite: Replace an existing output.
+            progress: Called as ``progress(bytes_done, bytes_total)`` as
+                tensors are written (the CLI draws its progress bar with it).
 
         Returns:
             Where the full checkpoint was written.
@@ -671,7 +675,7 @@ class CheckpointManager:
         source = join_path(self.root, partial_dir(tag))
         export_partial(source, target_store, target_name, full_format=full_format,
                        include_optimizer=include_optimizer, storage_options=self.storage_options,
-                       config=self.config)
+                       config=self.config, progress=progress)
         try:
             content = self._store(partial_dir(tag)).read_file(USER_CONTENT_FILE)
         except CheckpointNotFoundError:

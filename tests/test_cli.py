@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import subprocess
 import sys
@@ -27,13 +28,16 @@ def test_cli_commands(kind: str, make_backend, tmp_path: Path) -> None:
     for i in range(3):
         dcp_ext.save_checkpoint(root, f"s{i}", model, storage_options=backend.storage_options,
                                 user_content={"step": i}, compression="zstd" if i == 2 else None)
+    dcp_ext.save_checkpoint(root, "final", model, partial=False, storage_options=backend.storage_options,
+                            user_content={"step": 3})
 
     listed = _run("ls", root, *opts)
     assert listed.returncode == 0, listed.stderr
     lines = listed.stdout.splitlines()
     assert lines[0].split()[:3] == ["tag", "state", "newest"]
-    assert [line.split()[0] for line in lines[1:]] == ["s0", "s1", "s2"]
+    assert [line.split()[0] for line in lines[1:]] == ["s0", "s1", "s2", "final"]  # not user_content_final
     assert "*" in lines[3].split() and "committed" in lines[1]
+    assert "full (safetensors)" in lines[4] and str(datetime.date.today().year) in lines[4]
 
     inspected = _run("inspect", f"{root}/s2_partial", "--json", *opts)
     assert inspected.returncode == 0, inspected.stderr
@@ -51,6 +55,7 @@ def test_cli_commands(kind: str, make_backend, tmp_path: Path) -> None:
     out = tmp_path / "full.safetensors"
     exported = _run("export", f"{root}/s1_partial", str(out), *opts)
     assert exported.returncode == 0, exported.stderr
+    assert "exporting (safetensors) [" in exported.stderr and "100.0% of" in exported.stderr
     from safetensors.torch import load_file
 
     full = load_file(str(out))  # a full model checkpoint: the model's own key names
@@ -63,6 +68,11 @@ def test_cli_commands(kind: str, make_backend, tmp_path: Path) -> None:
     pruned = _run("prune", root, "--keep", "1", *opts)
     assert pruned.returncode == 0, pruned.stderr
     assert dcp_ext.CheckpointManager(root, storage_options=backend.storage_options).tags() == ["s2"]
+
+    as_torch = _run("export", f"{root}/s2_partial", f"{root}/s2_torch", "--format", "torch", "--quiet", *opts)
+    assert as_torch.returncode == 0 and as_torch.stderr == "", as_torch.stderr
+    rows = [line.split()[:3] for line in _run("ls", root, *opts).stdout.splitlines()[1:]]
+    assert rows == [["s2", "committed", "*"], ["final", "full", "(safetensors)"], ["s2_torch", "full", "(torch)"]]
 
 
 def test_cli_damage_and_errors(tmp_path: Path) -> None:

@@ -41,3 +41,16 @@ def test_demo_runs_and_checks_itself(tmp_path) -> None:
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "dcp_ext.metadata.json"
     ]
+
+
+def test_ten_line_example_runs_as_is(tmp_path) -> None:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- example:ten-lines -->\n```python\n(.+?)```\n<!-- /example:ten-lines -->", text, re.S)
+    assert match, "README.md lacks the example:ten-lines block"
+    code = match.group(1)
+    assert len(code.strip().splitlines()) <= 11
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "ckpt" / "step1" / "dcp_ext.metadata.json").is_file()
+    again = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "overwrite=True" in again.stderr  # as the README says

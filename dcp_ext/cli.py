@@ -18,13 +18,13 @@ import sys
 import traceback
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import demo
-from ._metadata_format import METADATA_FILE, DecodedMetadata, StoredItem, decode_metadata
+from ._metadata_format import METADATA_FILE, TORCH_METADATA_FILE, DecodedMetadata, StoredItem, decode_metadata
 from ._safetensors import MAX_HEADER, parse_header
 from .config import IOConfig
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError, NotACheckpointError
 from .full import CREATED_KEY
 from .layout import NEWEST_FILE, PARTIAL_SUFFIX, select_for_deletion
 from .storage import Store, join_path, normalize_path, open_store
@@ -120,7 +120,62 @@ def _full_checkpoint_row(store: Store, name: str) -> list[str] | None:
 
 def _load_metadata(path: str, options: dict[str, Any]) -> DecodedMetadata:
     store = open_store(path, IOConfig.from_env(), options)
-    return decode_metadata(store.read_file(METADATA_FILE), store.describe(METADATA_FILE))
+    try:
+        raw = store.read_file(METADATA_FILE)
+    except CheckpointNotFoundError as err:
+        tags = [d[: -len(PARTIAL_SUFFIX)] for d in store.list_dirs() if d.endswith(PARTIAL_SUFFIX)]
+        if tags or store.exists(NEWEST_FILE):
+            raise NotACheckpointError(
+                f"{store.describe()} is a checkpoint root (tags: {', '.join(tags) or 'none'}), not one checkpoint: "
+                f"pass {join_path(path, (tags or ['TAG'])[-1] + PARTIAL_SUFFIX)} (dcp-ext ls lists them)",
+                store.describe(),
+            ) from err
+        if store.exists(TORCH_METADATA_FILE):
+            raise NotACheckpointError(
+                f"{store.describe()} was written by torch's own storage writer (it has {TORCH_METADATA_FILE} "
+                f"but no {METADATA_FILE}): dcp-ext works on dcp_ext checkpoints; CheckpointReader loads it",
+                store.describe(),
+            ) from err
+        from .reader import CheckpointReader
+
+        raise CheckpointReader(path, storage_options=options).missing_metadata_error() from err
+    return decode_metadata(raw, store.describe(METADATA_FILE))
+
+
+def _full_checkpoint_file(path: str, options: dict[str, Any]) -> bool:
+    """Whether ``path`` names a file (a full checkpoint) rather than a directory."""
+    parent, _, name = path.rstrip("/").rpartition("/")
+    return bool(parent and name) and open_store(parent, IOConfig.from_env(), options).exists(name)
+
+
+def _key_entries(metadata: Metadata) -> list[dict[str, Any]]:
+    """One ``inspect`` entry per key: dtype, shape, shards, stored and raw bytes, codec."""
+    by_key: dict[str, list[StoredItem]] = {}
+    for index, item in metadata.storage_data.items():
+        by_key.setdefault(index.fqn, []).append(item)
+    entries: list[dict[str, Any]] = []
+    for fqn, md in sorted(metadata.state_dict_metadata.items()):
+        items = by_key.get(fqn, [])
+        codecs = sorted({"+".join(i.transforms) or "raw" for i in items})
+        tensor = md if isinstance(md, TensorStorageMetadata) else None
+        entries.append({
+            "key": fqn,
+            "dtype": str(tensor.properties.dtype).removeprefix("torch.") if tensor else "bytes",
+            "shape": list(tensor.size) if tensor else None,
+            "shards": len(items),
+            "stored_bytes": sum(i.data_length for i in items),
+            "raw_bytes": sum(i.raw_size for i in items),
+            "codec": ",".join(codecs),
+        })
+    return entries
+
+
+def _print_entries(entries: list[dict[str, Any]]) -> None:
+    rows = [["key", "dtype", "shape", "shards", "stored", "codec"]]
+    for e in entries:
+        shape = "x".join(map(str, e["shape"])) if e["shape"] is not None else "-"
+        rows.append([e["key"], e["dtype"], shape or "scalar", str(e["shards"]), _size(e["stored_bytes"]), e["codec"]])
+    print(_table(rows))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -166,33 +221,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    decoded = _load_metadata(normalize_path(args.checkpoint), _options(args))
-    metadata = decoded.metadata
-    by_key: dict[str, list[StoredItem]] = {}
-    for index, item in metadata.storage_data.items():
-        by_key.setdefault(index.fqn, []).append(item)
-    entries: list[dict[str, Any]] = []
-    for fqn, md in sorted(metadata.state_dict_metadata.items()):
-        items = by_key.get(fqn, [])
-        codecs = sorted({"+".join(i.transforms) or "raw" for i in items})
-        tensor = md if isinstance(md, TensorStorageMetadata) else None
-        entries.append({
-            "key": fqn,
-            "dtype": str(tensor.properties.dtype).removeprefix("torch.") if tensor else "bytes",
-            "shape": list(tensor.size) if tensor else None,
-            "shards": len(items),
-            "stored_bytes": sum(i.data_length for i in items),
-            "raw_bytes": sum(i.raw_size for i in items),
-            "codec": ",".join(codecs),
-        })
+    path, options = normalize_path(args.checkpoint), _options(args)
+    if _full_checkpoint_file(path, options):
+        from .pretrained import FullCheckpointReader
+
+        entries = _key_entries(FullCheckpointReader(path, storage_options=options).read_metadata())
+        if args.json:
+            print(json.dumps({"full": True, "keys": entries}, indent=1))
+            return 0
+        _print_entries(entries)
+        print(f"{len(entries)} tensors, {_size(sum(e['stored_bytes'] for e in entries))}: a full checkpoint")
+        return 0
+    decoded = _load_metadata(path, options)
+    entries = _key_entries(decoded.metadata)
     if args.json:
         print(json.dumps({"world_size": decoded.world_size, "files": decoded.files, "keys": entries}, indent=1))
         return 0
-    rows = [["key", "dtype", "shape", "shards", "stored", "codec"]]
-    for e in entries:
-        shape = "x".join(map(str, e["shape"])) if e["shape"] is not None else "-"
-        rows.append([e["key"], e["dtype"], shape or "scalar", str(e["shards"]), _size(e["stored_bytes"]), e["codec"]])
-    print(_table(rows))
+    _print_entries(entries)
     print(f"{len(entries)} keys, {len(decoded.files)} files, {_size(sum(decoded.files.values()))} stored, "
           f"saved by {decoded.world_size} rank(s)")
     return 0
@@ -201,13 +246,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from .integrity import verify
 
+    path, options = normalize_path(args.checkpoint), _options(args)
+    if _full_checkpoint_file(path, options):
+        return _verify_full(path, options)
+    _load_metadata(path, options)  # a clear error for a root or a missing path
     bar = _ProgressBar("verifying", args.quiet)
     try:
-        report = verify(normalize_path(args.checkpoint), storage_options=_options(args), progress=bar)
+        report = verify(path, storage_options=options, progress=bar)
     finally:
         bar.close()
     print(report)
     return 0 if report.ok else 1
+
+
+def _verify_full(path: str, options: dict[str, Any]) -> int:
+    """A full checkpoint has no checksums: check its header and that every tensor lies inside the file."""
+    from .pretrained import FullCheckpointReader
+
+    reader = FullCheckpointReader(path, storage_options=options)
+    items = list(reader.read_metadata().storage_data.values())
+    parent, _, name = path.rstrip("/").rpartition("/")
+    size = open_store(parent, IOConfig.from_env(), options).size(name)
+    end = max((i.offset + i.length for i in items), default=0)
+    if end > size:
+        print(f"{path}: full checkpoint is truncated: its header needs {end} bytes, the file has {size}")
+        return 1
+    print(f"{path}: full checkpoint, {len(items)} tensors, header and sizes OK "
+          "(full checkpoints carry no checksums: verify the partial checkpoint it was exported from)")
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -49,6 +49,13 @@ def test_cli_commands(kind: str, make_backend, tmp_path: Path) -> None:
     table = _run("inspect", f"{root}/s1_partial", *opts)
     assert "model.0.weight" in table.stdout and "raw" in table.stdout
 
+    full_doc = json.loads(_run("inspect", f"{root}/final", "--json", *opts).stdout)
+    assert full_doc["full"] and [k["key"] for k in full_doc["keys"]] == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    full_ok = _run("verify", f"{root}/final", *opts)
+    assert full_ok.returncode == 0 and "4 tensors, header and sizes OK" in full_ok.stdout, full_ok.stderr
+    at_root = _run("inspect", root, *opts)
+    assert at_root.returncode == 2 and "is a checkpoint root (tags: s0, s1, s2)" in at_root.stderr
+
     ok = _run("verify", f"{root}/s2_partial", "--quiet", *opts)
     assert ok.returncode == 0 and ok.stdout.strip().endswith("OK"), ok.stdout + ok.stderr
 
@@ -93,3 +100,8 @@ def test_cli_damage_and_errors(tmp_path: Path) -> None:
     verbose = _run("--verbose", "inspect", str(tmp_path / "nothing"))
     assert verbose.returncode == 2 and "Traceback" in verbose.stderr
     assert _run("prune", str(root), "--keep", "0").returncode == 2
+
+    dcp_ext.save_checkpoint(root, "full", torch.nn.Linear(256, 256), partial=False)
+    (root / "cut").write_bytes((root / "full").read_bytes()[:-100])
+    cut = _run("verify", str(root / "cut"))
+    assert cut.returncode == 1 and "truncated" in cut.stdout, cut.stdout + cut.stderr

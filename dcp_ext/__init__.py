@@ -31,7 +31,7 @@ from .errors import (
     unwrap_checkpoint_exception,
 )
 from .integrity import Problem, VerifyReport, verify
-from .layout import InvalidTagError
+from .layout import InvalidTagError, MeshInfo, Partition, RankPartition, TagInfo
 from .manager import CheckpointManager, ResumeResult, resume_from_checkpoint, save_checkpoint
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
 from .pretrained import FullCheckpointReader, PretrainedLoadReport, load_pretrained
@@ -56,6 +56,10 @@ __all__ = [
     "LayoutSavePlanner",
     "LayoutLoadPlanner",
     "InvalidTagError",
+    "Partition",
+    "RankPartition",
+    "MeshInfo",
+    "TagInfo",
     "UnsafeUserContentError",
     "verify",
     "VerifyReport",

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from ._gc import gc_paused
+from ._quiet import torch_notices_quieted
 from .config import IOConfig
 from .errors import raise_unwrapped
 from .reader import CheckpointReader
@@ -61,7 +62,7 @@ def save(
         path, storage_options=storage_options, overwrite=overwrite, config=config, **io_options
     )
     try:
-        with gc_paused():
+        with gc_paused(), torch_notices_quieted():
             metadata: Metadata = dcp_save(
                 state_dict, storage_writer=writer, planner=planner, process_group=process_group
             )
@@ -96,7 +97,7 @@ def load(
 
         planner = LayoutLoadPlanner(strict)  # non-tensor values unpickled with weights_only=True
     try:
-        with gc_paused():
+        with gc_paused(), torch_notices_quieted():
             dcp_load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
     except CheckpointException as exc:
         # DCP re-raises metadata failures as a bare AssertionError; the reader

@@ -99,14 +99,16 @@ def _created(timestamp: float | None) -> str:
     return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _full_checkpoint_row(store: Store, name: str) -> list[str] | None:
-    """The ``ls`` row of a full checkpoint file, or ``None`` if ``name`` is not one."""
+def _full_checkpoint_entry(store: Store, name: str) -> dict[str, Any] | None:
+    """The ``ls`` entry of a full checkpoint file, or ``None`` if ``name`` is not one."""
     if name == NEWEST_FILE or name.startswith(("user_content_", ".")) or ".tmp" in name:
         return None
     head = store.read_head(name, 8)
     size = store.size(name)
+    entry: dict[str, Any] = {"tag": name, "state": "full", "newest": False, "stored_bytes": size, "ratio": 1.0,
+                             "world_size": None, "mesh": None, "created": None}
     if head[:4] == b"PK\x03\x04":
-        return [name, "full (torch)", "", _size(size), "1.00", "", "", ""]
+        return entry | {"format": "torch"}
     if len(head) < 8 or int.from_bytes(head, "little") > min(MAX_HEADER, size - 8):
         return None
     try:
@@ -114,8 +116,31 @@ def _full_checkpoint_row(store: Store, name: str) -> list[str] | None:
     except CheckpointCorruptError:
         return None
     created = header.metadata.get(CREATED_KEY)
-    return [name, "full (safetensors)", "", _size(size), "1.00", "", "",
-            _created(float(created) if created else None)]
+    return entry | {"format": "safetensors", "created": float(created) if created else None}
+
+
+def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """The ``ls`` entry of ``ROOT/{tag}_partial``: committed, incomplete or damaged."""
+    path = join_path(root, tag + PARTIAL_SUFFIX)
+    entry: dict[str, Any] = {"tag": tag, "state": "committed", "newest": tag == newest, "stored_bytes": None,
+                             "ratio": None, "world_size": None, "mesh": None, "created": None}
+    try:
+        decoded = _load_metadata(path, options)
+    except FileNotFoundError:
+        return entry | {"state": "incomplete"}
+    except CheckpointCorruptError:
+        return entry | {"state": "damaged"}
+    items: list[StoredItem] = list(decoded.metadata.storage_data.values())
+    data = sum(i.data_length for i in items)
+    entry.update(stored_bytes=sum(decoded.files.values()), ratio=sum(i.raw_size for i in items) / data if data else 1.0,
+                 world_size=decoded.world_size, created=decoded.created)
+    try:
+        mesh = json.loads(open_store(path, IOConfig.from_env(), options).read_file("partition.json")).get("mesh")
+        if mesh:
+            entry["mesh"] = dict(zip(mesh.get("dim_names") or [], mesh.get("shape") or []))
+    except (CheckpointNotFoundError, ValueError, AttributeError):
+        pass
+    return entry
 
 
 def _load_metadata(path: str, options: dict[str, Any]) -> DecodedMetadata:
@@ -123,13 +148,6 @@ def _load_metadata(path: str, options: dict[str, Any]) -> DecodedMetadata:
     try:
         raw = store.read_file(METADATA_FILE)
     except CheckpointNotFoundError as err:
-        tags = [d[: -len(PARTIAL_SUFFIX)] for d in store.list_dirs() if d.endswith(PARTIAL_SUFFIX)]
-        if tags or store.exists(NEWEST_FILE):
-            raise NotACheckpointError(
-                f"{store.describe()} is a checkpoint root (tags: {', '.join(tags) or 'none'}), not one checkpoint: "
-                f"pass {join_path(path, (tags or ['TAG'])[-1] + PARTIAL_SUFFIX)} (dcp-ext ls lists them)",
-                store.describe(),
-            ) from err
         if store.exists(TORCH_METADATA_FILE):
             raise NotACheckpointError(
                 f"{store.describe()} was written by torch's own storage writer (it has {TORCH_METADATA_FILE} "
@@ -171,10 +189,12 @@ def _key_entries(metadata: Metadata) -> list[dict[str, Any]]:
 
 
 def _print_entries(entries: list[dict[str, Any]]) -> None:
-    rows = [["key", "dtype", "shape", "shards", "stored", "codec"]]
+    rows = [["key", "dtype", "shape", "shards", "stored", "ratio", "codec"]]
     for e in entries:
         shape = "x".join(map(str, e["shape"])) if e["shape"] is not None else "-"
-        rows.append([e["key"], e["dtype"], shape or "scalar", str(e["shards"]), _size(e["stored_bytes"]), e["codec"]])
+        ratio = f"{e['raw_bytes'] / e['stored_bytes']:.2f}" if e["stored_bytes"] else "-"
+        rows.append([e["key"], e["dtype"], shape or "scalar", str(e["shards"]), _size(e["stored_bytes"]), ratio,
+                     e["codec"]])
     print(_table(rows))
 
 
@@ -183,39 +203,29 @@ def cmd_ls(args: argparse.Namespace) -> int:
     root = normalize_path(args.root)
     store = open_store(root, IOConfig.from_env(), options)
     try:
-        newest = store.read_file(NEWEST_FILE).decode().strip()
+        newest: str | None = store.read_file(NEWEST_FILE).decode(errors="replace").strip()
     except CheckpointNotFoundError:
         newest = None
-    rows = [["tag", "state", "newest", "stored", "ratio", "world", "mesh", "created"]]
-    full_rows = [row for name in store.list_names() if (row := _full_checkpoint_row(store, name))]
-    for name in store.list_dirs():
-        if not name.endswith(PARTIAL_SUFFIX):
-            continue
-        tag = name[: -len(PARTIAL_SUFFIX)]
-        path = join_path(root, name)
-        try:
-            decoded = _load_metadata(path, options)
-        except CheckpointNotFoundError:
-            rows.append([tag, "incomplete", "", "", "", "", "", ""])
-            continue
-        items: list[StoredItem] = list(decoded.metadata.storage_data.values())
-        stored = sum(decoded.files.values())
-        raw = sum(i.raw_size for i in items)
-        data = sum(i.data_length for i in items) or 1
-        mesh = ""
-        try:
-            partition = json.loads(open_store(path, IOConfig.from_env(), options).read_file("partition.json"))
-            if partition.get("mesh"):
-                m = partition["mesh"]
-                mesh = "x".join(f"{d}={s}" for d, s in zip(m.get("dim_names") or [], m.get("shape") or []))
-        except (CheckpointNotFoundError, ValueError):
-            pass
-        rows.append([tag, "committed", "*" if tag == newest else "", _size(stored), f"{raw / data:.2f}",
-                     str(decoded.world_size), mesh, _created(decoded.created)])
-    rows.extend(full_rows)
-    if len(rows) == 1:
+    entries = [_partial_entry(root, d[: -len(PARTIAL_SUFFIX)], newest, options)
+               for d in store.list_dirs() if d.endswith(PARTIAL_SUFFIX)]
+    entries += [e for name in store.list_names() if (e := _full_checkpoint_entry(store, name))]
+    if args.json:
+        print(json.dumps({"root": store.describe(), "newest": newest, "checkpoints": entries}, indent=1))
+        return 0
+    if not entries:
         print(f"no checkpoints under {store.describe()}")
         return 0
+    rows = [["tag", "state", "newest", "stored", "ratio", "world", "mesh", "created"]]
+    for e in entries:
+        state = f"full ({e['format']})" if e["state"] == "full" else e["state"]
+        rows.append([
+            e["tag"], state, "*" if e["newest"] else "",
+            _size(e["stored_bytes"]) if e["stored_bytes"] is not None else "",
+            f"{e['ratio']:.2f}" if e["ratio"] is not None else "",
+            str(e["world_size"] or ""),
+            "x".join(f"{k}={v}" for k, v in e["mesh"].items()) if e["mesh"] else "",
+            _created(e["created"]),
+        ])
     print(_table(rows))
     return 0
 
@@ -315,35 +325,42 @@ def cmd_prune(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dcp-ext", description="dcp_ext command-line tool")
     parser.add_argument("--verbose", "-v", action="store_true", help="show the full cause chain of errors")
+    # Storage options are accepted before or after the command; given after,
+    # they override (argparse.SUPPRESS keeps the command's absent ones from
+    # resetting the global ones).
+    parser.add_argument("--endpoint-url", help="S3 endpoint (e.g. http://127.0.0.1:9000); also AWS_ENDPOINT_URL")
+    parser.add_argument("--storage-options", help="fsspec/s3fs options as JSON")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def storage(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--endpoint-url", help="S3 endpoint (e.g. http://127.0.0.1:9000)")
-        p.add_argument("--storage-options", help="fsspec/s3fs options as JSON")
+        p.add_argument("--endpoint-url", default=argparse.SUPPRESS, help="S3 endpoint (e.g. http://127.0.0.1:9000)")
+        p.add_argument("--storage-options", default=argparse.SUPPRESS, help="fsspec/s3fs options as JSON")
 
     p = commands.add_parser("ls", help="list the checkpoints under a root")
-    p.add_argument("root")
+    p.add_argument("root", help="checkpoint root: local path or s3://bucket/prefix")
+    p.add_argument("--json", action="store_true", help="one JSON object per checkpoint, sizes in bytes")
     storage(p)
     p = commands.add_parser("inspect", help="keys, dtypes, shapes, shards, stored bytes, codecs")
-    p.add_argument("checkpoint")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("checkpoint", help="ROOT/{tag}_partial, a dcp_ext.save path, or a full checkpoint file")
+    p.add_argument("--json", action="store_true", help="machine-readable output, sizes in bytes")
     storage(p)
     p = commands.add_parser("verify", help="check every checksum; exit 1 on damage")
-    p.add_argument("checkpoint")
-    p.add_argument("--quiet", "-q", action="store_true")
+    p.add_argument("checkpoint", help="ROOT/{tag}_partial, a dcp_ext.save path, or a full checkpoint file")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     storage(p)
     p = commands.add_parser("export", help="write a full single-file checkpoint from a partial one")
     p.add_argument("checkpoint", help="ROOT/{tag}_partial")
     p.add_argument("out", help="output file path or URL")
-    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
-    p.add_argument("--include-optimizer", action="store_true")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors",
+                   help="safetensors (default) or a torch.save file of a {name: tensor} dict")
+    p.add_argument("--include-optimizer", action="store_true", help="also write the optimizer's tensors")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     storage(p)
     p = commands.add_parser("prune", help="delete old partial checkpoints, keeping the newest N")
-    p.add_argument("root")
-    p.add_argument("--keep", type=int, required=True)
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("root", help="checkpoint root")
+    p.add_argument("--keep", type=int, required=True, help="partial checkpoints to keep (newest is always kept)")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     storage(p)
     demo.add_arguments(commands.add_parser("demo", help="save and load a sharded checkpoint across 2 local processes"))
     return parser

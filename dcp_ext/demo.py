@@ -16,6 +16,7 @@ import datetime
 import multiprocessing as mp
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -63,7 +64,7 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, path: str, width: in
     try:
         model, optim = _build(world_size, width, depth, seed=0)
         msd, osd = get_state_dict(model, optim)
-        state = {"model": msd, "optim": osd}
+        state = {"model": msd, "optimizer": osd}
 
         dist.barrier()
         start = time.perf_counter()
@@ -73,14 +74,14 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, path: str, width: in
 
         fresh, fresh_optim = _build(world_size, width, depth, seed=1)
         msd2, osd2 = get_state_dict(fresh, fresh_optim)
-        loaded: dict[str, Any] = {"model": msd2, "optim": osd2}
+        loaded: dict[str, Any] = {"model": msd2, "optimizer": osd2}
         reader = CheckpointReader(path)
         dist.barrier()
         start = time.perf_counter()
         dcp_load(loaded, storage_reader=reader)
         dist.barrier()
         load_s = time.perf_counter() - start
-        set_state_dict(fresh, fresh_optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        set_state_dict(fresh, fresh_optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
 
         mismatches = 0
         for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
@@ -98,6 +99,14 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, path: str, width: in
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # All work is done and reported. A gloo rank can still abort (SIGABRT) in
+    # its C++ teardown at interpreter exit, which would read as a failure:
+    # deliver the result, flush, and leave without that teardown.
+    out.close()
+    out.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _size(n: float) -> str:

@@ -50,6 +50,7 @@ from .errors import (
 from .codecs import Codec, resolve_codec
 from ._failpoints import crash_point
 from ._gc import gc_paused
+from ._quiet import torch_notices_quieted
 from .full import FULL_FORMATS, full_layout, spec_of, stream_full_checkpoint
 from .layout import (
     NEWEST_FILE,
@@ -319,7 +320,7 @@ class CheckpointManager:
         )
         if not async_save:
             try:
-                with gc_paused():
+                with gc_paused(), torch_notices_quieted():
                     dcp_save(state, storage_writer=writer, planner=planner, process_group=self.process_group)
             except CheckpointException as exc:
                 writer.remove_own_files()
@@ -331,7 +332,8 @@ class CheckpointManager:
             return None
 
         result: concurrent.futures.Future[None] = concurrent.futures.Future()
-        inner = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=self.process_group)
+        with torch_notices_quieted():
+            inner = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=self.process_group)
         upload = inner.upload_completion if hasattr(inner, "upload_completion") else inner
 
         def done(future: concurrent.futures.Future[Any]) -> None:
@@ -553,7 +555,7 @@ class CheckpointManager:
         self.last_load_planner = planner
         self.last_reader = reader
         try:
-            with gc_paused():
+            with gc_paused(), torch_notices_quieted():
                 dcp_load(state, storage_reader=reader, planner=planner, process_group=self.process_group)
         except CheckpointException as exc:
             raise_unwrapped(exc, reader.last_error)

@@ -188,8 +188,8 @@ class LayoutLoadPlanner(DefaultLoadPlanner):
         if missing and self.strict:
             raise CheckpointKeyError(
                 f"{where} lacks {len(missing)} key(s) the state dict asks for: "
-                f"{_preview(missing)}. Pass strict=False to keep their current values, "
-                f"or keys= to load a subset."
+                f"{_preview(missing)}.{_namespace_hint(missing, saved)} Pass strict=False to keep their "
+                f"current values, or LayoutLoadPlanner(keys=...) to load a subset."
             )
         self.missing_keys = tuple(missing)
         if self.keys is None:
@@ -207,7 +207,7 @@ class LayoutLoadPlanner(DefaultLoadPlanner):
                     raise CheckpointKeyError(
                         f"{where} holds {len(self.unexpected_keys)} key(s) the state dict does "
                         f"not take: {_preview(list(self.unexpected_keys))}. Pass strict=False to "
-                        f"ignore them, or keys= to load a subset."
+                        f"ignore them, or LayoutLoadPlanner(keys=...) to load a subset."
                     )
                 log.warning("ignoring checkpoint keys the state dict does not take: %s",
                             _preview(list(self.unexpected_keys)))
@@ -317,6 +317,16 @@ def _volume(sizes: Sequence[int]) -> int:
     for s in sizes:
         n *= int(s)
     return n
+
+
+def _namespace_hint(missing: Sequence[str], saved: Collection[str]) -> str:
+    """A hint when whole top-level names are absent, e.g. ``optim.*`` asked, ``optimizer.*`` saved."""
+    saved_tops = sorted({k.split(".", 1)[0] for k in saved})
+    absent = sorted({k.split(".", 1)[0] for k in missing} - set(saved_tops))
+    if not absent:
+        return ""
+    return (f" The checkpoint has no key under {', '.join(repr(a) for a in absent)} at all; its top-level "
+            f"names are {_preview(saved_tops)} (checkpoints saved by CheckpointManager use 'model' and 'optimizer').")
 
 
 def _preview(keys: list[str], limit: int = 8) -> str:

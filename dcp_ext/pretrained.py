@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ._gc import gc_paused
+from ._quiet import torch_notices_quieted
 from ._metadata_format import StoredItem, validate_file_name
 from ._ranges import Piece, plan_requests
 from ._safetensors import MAX_HEADER, parse_header
@@ -459,7 +460,7 @@ def load_pretrained(
                 f"{key!r}: the checkpoint holds shape {tuple(stored.size)} but the model has {shape}"
             )
     planner = LayoutLoadPlanner(strict=True, keys=tuple(wanted))  # missing/unexpected handled above
-    with gc_paused():
+    with gc_paused(), torch_notices_quieted():
         dcp_load(wanted, storage_reader=reader, planner=planner, process_group=process_group)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return PretrainedLoadReport(

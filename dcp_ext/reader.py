@@ -51,6 +51,7 @@ from ._ranges import Piece, box_runs, plan_requests, run_starts
 from ._torch_format import tensor_bytes
 from .codecs import check_descriptors, decode_frame
 from .config import IOConfig, usable_cores
+from .layout import NEWEST_FILE, PARTIAL_SUFFIX
 from .errors import (
     ChecksumMismatchError,
     CheckpointCorruptError,
@@ -313,6 +314,17 @@ class CheckpointReader(StorageReader):
                 store.url,
             )
         names = store.list_names()
+        tags = [d[: -len(PARTIAL_SUFFIX)] for d in store.list_dirs() if d.endswith(PARTIAL_SUFFIX)]
+        if tags or NEWEST_FILE in names:
+            newest = store.read_file(NEWEST_FILE).decode(errors="replace").strip() if NEWEST_FILE in names else ""
+            if newest in tags:
+                tags.append(newest)  # the example below names it
+            return NotACheckpointError(
+                f"{store.url} is a checkpoint root (partial checkpoints: {', '.join(sorted(set(tags))) or 'none'}), "
+                f"not one checkpoint: load {store.url.rstrip('/')}/{(tags or ['TAG'])[-1]}{PARTIAL_SUFFIX}, "
+                f"or call resume_from_checkpoint on the root (dcp-ext ls lists what it holds).",
+                store.url,
+            )
         data = [n for n in names if n.endswith(".distcp") or TMP_MARK in n]
         if data:
             return CheckpointIncompleteError(

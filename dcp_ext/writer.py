@@ -271,7 +271,7 @@ class CheckpointWriter(StorageWriter):
             if not self.overwrite:
                 raise CheckpointExistsError(
                     f"a checkpoint already exists at {store.url}; pass overwrite=True "
-                    f"to CheckpointWriter to replace it, or save to a new path",
+                    f"(to CheckpointWriter, dcp_ext.save or save_checkpoint) to replace it, or save to a new path",
                     store.url,
                 )
             # Un-commit the old checkpoint before touching any of its data.

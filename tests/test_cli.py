@@ -54,7 +54,8 @@ def test_cli_commands(kind: str, make_backend, tmp_path: Path) -> None:
     full_ok = _run("verify", f"{root}/final", *opts)
     assert full_ok.returncode == 0 and "4 tensors, header and sizes OK" in full_ok.stdout, full_ok.stderr
     at_root = _run("inspect", root, *opts)
-    assert at_root.returncode == 2 and "is a checkpoint root (tags: s0, s1, s2)" in at_root.stderr
+    assert at_root.returncode == 2 and "is a checkpoint root (partial checkpoints: s0, s1, s2)" in at_root.stderr
+    assert "s2_partial" in at_root.stderr  # the one newest names
 
     ok = _run("verify", f"{root}/s2_partial", "--quiet", *opts)
     assert ok.returncode == 0 and ok.stdout.strip().endswith("OK"), ok.stdout + ok.stderr
@@ -80,6 +81,13 @@ def test_cli_commands(kind: str, make_backend, tmp_path: Path) -> None:
     assert as_torch.returncode == 0 and as_torch.stderr == "", as_torch.stderr
     rows = [line.split()[:3] for line in _run("ls", root, *opts).stdout.splitlines()[1:]]
     assert rows == [["s2", "committed", "*"], ["final", "full", "(safetensors)"], ["s2_torch", "full", "(torch)"]]
+    as_json = _run(*opts, "ls", root, "--json")  # storage options before the command work too
+    assert as_json.returncode == 0, as_json.stderr
+    listing = json.loads(as_json.stdout)
+    assert listing["newest"] == "s2"
+    assert [(c["tag"], c["state"], c.get("format")) for c in listing["checkpoints"]] == [
+        ("s2", "committed", None), ("final", "full", "safetensors"), ("s2_torch", "full", "torch")]
+    assert listing["checkpoints"][0]["ratio"] > 1.0 and listing["checkpoints"][0]["world_size"] == 1
 
 
 def test_cli_damage_and_errors(tmp_path: Path) -> None:

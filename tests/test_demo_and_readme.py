@@ -54,3 +54,26 @@ def test_ten_line_example_runs_as_is(tmp_path) -> None:
     assert (tmp_path / "ckpt" / "step1" / "dcp_ext.metadata.json").is_file()
     again = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert again.returncode != 0 and "overwrite=True" in again.stderr  # as the README says
+
+
+def test_single_process_calls_print_nothing_but_the_error(tmp_path) -> None:
+    """dcp_ext's wrappers quiet torch's single-process warning and its metadata-fallback traceback."""
+    code = (
+        "import logging, torch, dcp_ext\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        f"root = {str(tmp_path / 'root')!r}\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        "dcp_ext.save_checkpoint(root, 'a', m)\n"
+        "dcp_ext.resume_from_checkpoint(root, m)\n"
+        "dcp_ext.save({'w': torch.ones(3)}, root + '/x')\n"
+        "dcp_ext.load({'w': torch.ones(3)}, root + '/x')\n"
+        "try:\n"
+        "    dcp_ext.load({'w': torch.ones(3)}, root)\n"
+        "except dcp_ext.NotACheckpointError as e:\n"
+        "    print('ERROR', e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "is a checkpoint root (partial checkpoints: a)" in result.stdout and "a_partial" in result.stdout
+    assert "torch.distributed is disabled" not in result.stderr
+    assert "Global metadata is not found" not in result.stderr

@@ -88,6 +88,11 @@ def test_key_shape_dtype_and_layout_errors(tmp_path: Path) -> None:
     dcp_ext.resume_from_checkpoint(root, extra, strict=False)
     assert torch.equal(extra[3].weight, before) and torch.equal(extra[0].weight, model[0].weight)
 
+    # A whole namespace absent (state dict keyed "weights", checkpoint "model"): the error says so.
+    with pytest.raises(dcp_ext.CheckpointKeyError,
+                       match=r"no key under 'weights' at all; its top-level names are \['model'\]"):
+        dcp_ext.load({"weights": _model().state_dict()}, root / "s_partial")
+
     # Keys the state dict does not take.
     smaller = torch.nn.Sequential(torch.nn.Linear(8, 32))
     with pytest.raises(dcp_ext.CheckpointKeyError, match=r"holds 2 key\(s\) the state dict does not take: \['model.2.bias', 'model.2.weight'\]"):

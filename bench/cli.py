@@ -88,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--readme", dest="readme", action="store_true", default=None,
                    help="render the table into bench/README.md (default: only for full default runs)")
     p.add_argument("--no-readme", dest="readme", action="store_false")
-    p.add_argument("--render", metavar="JSON", help="do not run; re-render bench/README.md from a results file")
+    p.add_argument("--render", metavar="JSON",
+                   help="do not run; re-render bench/README.md (and the chart next to JSON) from a results file")
+    p.add_argument("--no-chart", action="store_true",
+                   help="do not draw the PNG chart (written next to the results JSON, same name, .png; needs matplotlib)")
     p.add_argument("--world-timeout", type=float, default=3600.0, help="seconds before a world is killed")
     return p
 
@@ -178,11 +181,32 @@ def _default_out(date: str, machine: str, tag: str) -> Path:
     return BENCH / "results" / f"{date}-{machine}{tag}.json"
 
 
+def _chart(result: dict[str, Any], results_json: Path, draw: bool) -> str | None:
+    """Draw the PNG chart next to ``results_json`` (unless ``draw`` is false); return the
+    chart's path relative to bench/ for the README if it exists and lies under bench/."""
+    from . import chart
+
+    png = chart.chart_path(results_json)
+    if draw:
+        try:
+            chart.write_chart(result, png)
+            print(f"chart written to {png}")
+        except chart.ChartUnavailable as err:
+            print(f"{err}; the results JSON and tables are complete without it", file=sys.stderr)
+        except Exception as err:  # a chart bug must not cost a finished run its README tables
+            print(f"could not draw the chart {png}: {type(err).__name__}: {err}", file=sys.stderr)
+    try:
+        return png.resolve().relative_to(BENCH).as_posix() if png.exists() else None
+    except ValueError:  # outside bench/: a README link would not resolve
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
-        report.update_readme(BENCH / "README.md", report.render(result))
+        link = _chart(result, Path(args.render), not args.no_chart)
+        report.update_readme(BENCH / "README.md", report.render(result, chart=link))
         print(f"rendered {args.render} into {BENCH / 'README.md'}")
         return 0
 
@@ -291,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else _default_out(date, machine["machine_id"], tag)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
-    markdown = report.render(result)
+    link = _chart(result, out, not args.no_chart)
+    markdown = report.render(result, chart=link)
     print("\n" + markdown + "\n")
     print(f"results written to {out} (run time {result['runtime_seconds'] / 60:.1f} min)")
     if args.readme:

@@ -158,7 +158,9 @@ def _mib(n: int) -> str:
     return f"{n / MiB:,.0f}"
 
 
-def render(result: dict[str, Any]) -> str:
+def render(result: dict[str, Any], chart: str | None = None) -> str:
+    """Markdown of a results file; ``chart``: the path of its PNG chart, relative to the
+    README the markdown goes into, to embed above the tables."""
     summary = result.get("summary") or summarize(result)
     m = result["machine"]
     p = result["params"]
@@ -183,6 +185,13 @@ def render(result: dict[str, Any]) -> str:
     add("")
     add(f"Command: `{result['command']}`")
     add("")
+    if chart:
+        add(f"[![Throughput chart of this run: GB/s of every system, save and load, local and S3, 1 and 2 ranks]"
+            f"({chart})]({chart})")
+        add("")
+        add("The chart shows the medians of the tables below (whiskers: min–max over rounds); "
+            "`python -m bench --render` or `python -m bench.chart` redraws it.")
+        add("")
     titles = {"local": f"Local disk (`{m.get('workdir_device', '?')}`, ext4)", "s3": "S3: SeaweedFS `weed mini` on 127.0.0.1"}
     for kind in ("local", "s3"):
         table = summary["throughput"].get(kind)

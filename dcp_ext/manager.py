@@ -549,8 +549,12 @@ class CheckpointManager:
             else Partition.from_json(partition_raw, reader.store.describe(PARTITION_FILE))
         )
         world = dist.get_world_size(self.process_group) if self._distributed() else 1
+        # A parameter that had no gradient when the checkpoint was saved has
+        # no optimizer state in it; get_state_dict has made some here.
+        per_param = state.get("optimizer", {}).get("state", {})
         planner = LayoutLoadPlanner(
-            strict, allow_dtype_cast=allow_dtype_cast, partition=partition, world_size=world, mesh=self.mesh
+            strict, allow_dtype_cast=allow_dtype_cast, partition=partition, world_size=world, mesh=self.mesh,
+            optional_prefixes=[f"optimizer.state.{fqn}." for fqn in per_param],
         )
         self.last_load_planner = planner
         self.last_reader = reader
@@ -559,11 +563,20 @@ class CheckpointManager:
                 dcp_load(state, storage_reader=reader, planner=planner, process_group=self.process_group)
         except CheckpointException as exc:
             raise_unwrapped(exc, reader.last_error)
+        for prefix in planner.absent_prefixes:
+            # As when it was saved: no state until the parameter's first step.
+            del per_param[prefix[len("optimizer.state."):-1]]
         options = StateDictOptions(strict=strict)
         if optimizer is None:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
             set_model_state_dict(model, state["model"], options=options)
+        elif planner.absent_prefixes:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+            set_model_state_dict(model, state["model"], options=options)
+            # strict=False: torch would refuse the parameters left without state.
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
         else:
             set_state_dict(model, optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"], options=options)

@@ -131,12 +131,19 @@ class LayoutLoadPlanner(DefaultLoadPlanner):
         partition: The checkpoint's partition record (``partition.json``).
         world_size: This load's world size (for the same-partition check).
         mesh: This load's mesh (for the same-partition check).
+        optional_prefixes: Key prefixes (ending in ``.``) whose keys may be
+            absent together: when the checkpoint holds no key under one, its
+            requested keys are skipped without error and the prefix is listed
+            in :attr:`absent_prefixes`. The manager passes one per parameter's
+            optimizer state, which does not exist for a parameter that never
+            had a gradient (frozen, or unused by the loss) when it saved.
 
     Attributes:
         unexpected_keys: Checkpoint keys in the loaded namespaces that the
             state dict does not take (after ``create_local_plan``).
         missing_keys: Requested keys the checkpoint lacks (``strict=False``).
         fast_path_keys: How many tensors took the same-partition fast path.
+        absent_prefixes: The ``optional_prefixes`` with no key in the checkpoint.
     """
 
     def __init__(
@@ -148,6 +155,7 @@ class LayoutLoadPlanner(DefaultLoadPlanner):
         partition: Partition | None = None,
         world_size: int | None = None,
         mesh: MeshInfo | None = None,
+        optional_prefixes: Collection[str] = (),
     ) -> None:
         super().__init__(allow_partial_load=not strict)
         self.strict = strict
@@ -161,6 +169,8 @@ class LayoutLoadPlanner(DefaultLoadPlanner):
         self.unexpected_keys: tuple[str, ...] = ()
         self.missing_keys: tuple[str, ...] = ()
         self.fast_path_keys = 0
+        self.optional_prefixes = tuple(optional_prefixes)
+        self.absent_prefixes: tuple[str, ...] = ()
 
     def _selected(self, fqn: str) -> bool:
         if self.keys is None:
@@ -184,6 +194,12 @@ class LayoutLoadPlanner(DefaultLoadPlanner):
         saved = self.metadata.state_dict_metadata
         where = getattr(self.metadata.storage_meta, "checkpoint_id", None) or "the checkpoint"
         wanted = {k: v for k, v in self.state_dict.items() if self._selected(k)}
+        if self.optional_prefixes:
+            saved_prefixes = {k[: i + 1] for k in saved for i, c in enumerate(k) if c == "."}
+            self.absent_prefixes = tuple(p for p in self.optional_prefixes if p not in saved_prefixes)
+            if self.absent_prefixes:
+                absent = self.absent_prefixes
+                wanted = {k: v for k, v in wanted.items() if not k.startswith(absent)}
         missing = sorted(k for k in wanted if k not in saved)
         if missing and self.strict:
             raise CheckpointKeyError(

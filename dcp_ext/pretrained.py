@@ -44,7 +44,13 @@ from ._metadata_format import StoredItem, validate_file_name
 from ._ranges import Piece, plan_requests
 from ._safetensors import MAX_HEADER, parse_header
 from .config import IOConfig
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointKeyError,
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    ReshardError,
+)
 from .reader import CheckpointReader
 from .storage import Store, normalize_path, open_store
 
@@ -446,7 +452,7 @@ def load_pretrained(
     missing = sorted(k for k in state if k not in available)
     unexpected = sorted(k for k in available if k not in state)
     if missing and strict:
-        raise KeyError(
+        raise CheckpointKeyError(
             f"checkpoint {reader.source} lacks {len(missing)} key(s) of the model: {missing[:10]}"
             f"{' ...' if len(missing) > 10 else ''}; pass strict=False to keep their current values, "
             f"or key_map= to rename checkpoint keys"
@@ -456,7 +462,7 @@ def load_pretrained(
         stored = metadata.state_dict_metadata[key]
         shape = tuple(getattr(value, "shape", ()))
         if isinstance(stored, TensorStorageMetadata) and tuple(stored.size) != shape:
-            raise ValueError(
+            raise ReshardError(
                 f"{key!r}: the checkpoint holds shape {tuple(stored.size)} but the model has {shape}"
             )
     planner = LayoutLoadPlanner(strict=True, keys=tuple(wanted))  # missing/unexpected handled above

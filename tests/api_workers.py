@@ -70,9 +70,29 @@ def layout_world(rank: int, world_size: int, root: str) -> dict[str, Any]:
 K = 3
 
 
+class LateBranch(nn.Module):
+    """An MLP plus a branch used only from step K on: at the save after K
+    steps the branch's parameters have no optimizer state (never had a grad),
+    as with frozen layers or a pooler the loss does not use."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.body = mlp(seed)
+        self.late = nn.Linear(16, 16)
+        self.use_late = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)
+        return y + self.late(x) if self.use_late else y
+
+
 def _build(kind: str, seed: int) -> nn.Module:
-    model = mlp(seed)
     world = dist.get_world_size()
+    if kind == "fsdp2_late":
+        late = LateBranch(seed)
+        fully_shard(late, mesh=init_device_mesh("cpu", (world,)))
+        return late
+    model = mlp(seed)
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(model)
     mesh = init_device_mesh("cpu", (world,))
@@ -88,6 +108,8 @@ def _step(kind: str, model: nn.Module, optim: torch.optim.Optimizer, step: int) 
     seed = 1000 + step * 10 + (0 if kind == "tp" else dist.get_rank())
     torch.manual_seed(seed)
     optim.zero_grad()
+    if isinstance(model, LateBranch):
+        model.use_late = step >= K
     model(torch.randn(8, 16)).square().mean().backward()
     optim.step()
 
@@ -98,11 +120,14 @@ def _full_params(kind: str, model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}
 
 
+KINDS = ("ddp", "fsdp2", "tp", "fsdp2_late")
+
+
 def train_world(rank: int, world_size: int, root: str, phase: str) -> dict[str, Any]:
     """phase "first": train 2K steps straight, and K steps then save.
     phase "resume": resume the K-step checkpoint, train K more."""
     out: dict[str, Any] = {}
-    for kind in ("ddp", "fsdp2", "tp"):
+    for kind in KINDS:
         path = f"{root}/{kind}"
         if phase == "first":
             model = _build(kind, 0)

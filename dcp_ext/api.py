@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from ._gc import gc_paused
 from ._quiet import torch_notices_quieted
+from .codecs import Codec
 from .config import IOConfig
 from .errors import raise_unwrapped
 from .reader import CheckpointReader
@@ -42,6 +43,7 @@ def save(
     planner: SavePlanner | None = None,
     process_group: Any = None,
     config: IOConfig | None = None,
+    compression: str | Codec | None = None,
     **io_options: Any,
 ) -> Metadata:
     """(all ranks) Save ``state_dict`` to ``path`` with :class:`CheckpointWriter`.
@@ -54,12 +56,15 @@ def save(
         planner: A DCP ``SavePlanner``; DCP's default one if ``None``.
         process_group: Group to save with; the default group if ``None``.
         config: I/O tunables; ``io_options`` (``part_size=``, ...) override it.
+        compression: ``None`` (raw), ``"zstd"``, a :class:`~dcp_ext.ZstdCodec`
+            or any :class:`~dcp_ext.Codec`; loads need no setting.
 
     Returns:
         The checkpoint's DCP metadata.
     """
     writer = CheckpointWriter(
-        path, storage_options=storage_options, overwrite=overwrite, config=config, **io_options
+        path, storage_options=storage_options, overwrite=overwrite, config=config, compression=compression,
+        **io_options
     )
     try:
         with gc_paused(), torch_notices_quieted():

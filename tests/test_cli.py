@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,9 @@ import torch
 import dcp_ext
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dcp_ext", *args], capture_output=True, text=True, timeout=120)
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dcp_ext", *args], capture_output=True, text=True, timeout=120,
+                          env=None if env is None else {**os.environ, **env})
 
 
 @pytest.mark.parametrize("kind", ["local", "moto"])
@@ -88,6 +90,13 @@ def test_cli_commands(kind: str, make_backend, tmp_path: Path) -> None:
     assert [(c["tag"], c["state"], c.get("format")) for c in listing["checkpoints"]] == [
         ("s2", "committed", None), ("final", "full", "safetensors"), ("s2_torch", "full", "torch")]
     assert listing["checkpoints"][0]["ratio"] > 1.0 and listing["checkpoints"][0]["world_size"] == 1
+    if backend.storage_options:  # S3 endpoint and credentials from the environment alone
+        so = backend.storage_options
+        env = {"AWS_ENDPOINT_URL": so["client_kwargs"]["endpoint_url"], "AWS_ACCESS_KEY_ID": so["key"],
+               "AWS_SECRET_ACCESS_KEY": so["secret"], "AWS_DEFAULT_REGION": so["client_kwargs"]["region_name"]}
+        from_env = _run("ls", root, "--json", env=env)
+        assert from_env.returncode == 0, from_env.stderr
+        assert json.loads(from_env.stdout)["checkpoints"] == listing["checkpoints"]
 
 
 def test_cli_damage_and_errors(tmp_path: Path) -> None:

@@ -21,11 +21,12 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import demo
-from ._metadata_format import METADATA_FILE, TORCH_METADATA_FILE, DecodedMetadata, StoredItem, decode_metadata
+from ._metadata_format import DecodedMetadata, StoredItem
 from ._safetensors import MAX_HEADER, parse_header
 from .config import IOConfig
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError, NotACheckpointError
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
 from .full import CREATED_KEY
+from .integrity import read_own_metadata, verify
 from .layout import NEWEST_FILE, PARTIAL_SUFFIX, select_for_deletion
 from .storage import Store, join_path, normalize_path, open_store
 
@@ -144,20 +145,7 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
 
 
 def _load_metadata(path: str, options: dict[str, Any]) -> DecodedMetadata:
-    store = open_store(path, IOConfig.from_env(), options)
-    try:
-        raw = store.read_file(METADATA_FILE)
-    except CheckpointNotFoundError as err:
-        if store.exists(TORCH_METADATA_FILE):
-            raise NotACheckpointError(
-                f"{store.describe()} was written by torch's own storage writer (it has {TORCH_METADATA_FILE} "
-                f"but no {METADATA_FILE}): dcp-ext works on dcp_ext checkpoints; CheckpointReader loads it",
-                store.describe(),
-            ) from err
-        from .reader import CheckpointReader
-
-        raise CheckpointReader(path, storage_options=options).missing_metadata_error() from err
-    return decode_metadata(raw, store.describe(METADATA_FILE))
+    return read_own_metadata(open_store(path, IOConfig.from_env(), options), options)
 
 
 def _full_checkpoint_file(path: str, options: dict[str, Any]) -> bool:
@@ -254,12 +242,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .integrity import verify
-
     path, options = normalize_path(args.checkpoint), _options(args)
     if _full_checkpoint_file(path, options):
         return _verify_full(path, options)
-    _load_metadata(path, options)  # a clear error for a root or a missing path
     bar = _ProgressBar("verifying", args.quiet)
     try:
         report = verify(path, storage_options=options, progress=bar)

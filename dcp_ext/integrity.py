@@ -21,14 +21,14 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ._frames import FrameSpan, FrameTable, checksum
-from ._metadata_format import METADATA_FILE, StoredItem, chunk_shapes, decode_metadata
+from ._metadata_format import METADATA_FILE, DecodedMetadata, StoredItem, chunk_shapes, decode_metadata
 from ._ranges import Piece, plan_requests
 from ._torch_format import torch_save_envelope
 from .codecs import check_descriptors, decode_frame
 from .config import IOConfig
 from .errors import CheckpointNotFoundError, DcpExtError
 from .reader import CheckpointReader
-from .storage import normalize_path, open_store
+from .storage import Store, normalize_path, open_store
 
 __all__ = ["verify", "VerifyReport", "Problem"]
 
@@ -99,6 +99,30 @@ def _key(index: MetadataIndex) -> str:
     return index.fqn if index.offset is None else f"{index.fqn}@{tuple(index.offset)}"
 
 
+def read_own_metadata(
+    store: Store, storage_options: dict[str, Any] | None = None, config: IOConfig | None = None
+) -> DecodedMetadata:
+    """Decode the dcp_ext metadata of the checkpoint at ``store``.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointIncompleteError, NotACheckpointError:
+            No committed dcp_ext checkpoint there (the reader's errors, which
+            say whether nothing, a root, an incomplete save or a torch-written
+            checkpoint is there).
+        CheckpointCorruptError: The metadata is damaged.
+    """
+    try:
+        raw = store.read_file(METADATA_FILE)
+    except CheckpointNotFoundError:
+        CheckpointReader(store.url, storage_options=storage_options, config=config).read_metadata()
+        raise CheckpointNotFoundError(
+            f"{store.describe()} was written by torch's own writer and has no dcp_ext "
+            f"metadata, so it has no checksums to verify or codecs to list (CheckpointReader loads it)",
+            store.url,
+        ) from None
+    return decode_metadata(raw, store.describe(METADATA_FILE))
+
+
 def verify(
     path: str | os.PathLike[str],
     *,
@@ -130,18 +154,7 @@ def verify(
     config = config or IOConfig.from_env()
     url = normalize_path(path)
     store = open_store(url, config, storage_options or {})
-    try:
-        raw = store.read_file(METADATA_FILE)
-    except CheckpointNotFoundError:
-        # The reader's errors say whether nothing, an incomplete save or a
-        # torch-written checkpoint is there.
-        CheckpointReader(url, storage_options=storage_options, config=config).read_metadata()
-        raise CheckpointNotFoundError(
-            f"{store.describe()} was written by torch's own writer and has no dcp_ext "
-            f"metadata, so it has no checksums to verify",
-            store.url,
-        ) from None
-    decoded = decode_metadata(raw, store.describe(METADATA_FILE))
+    decoded = read_own_metadata(store, storage_options, config)
     storage: dict[MetadataIndex, StoredItem] = decoded.metadata.storage_data
     problems: list[Problem] = []
     by_file: dict[str, list[tuple[MetadataIndex, StoredItem]]] = {}

@@ -526,7 +526,7 @@ class CheckpointManager:
         strict: bool,
         allow_dtype_cast: bool,
     ) -> ResumeResult:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         url = join_path(self.root, partial_dir(tag))
@@ -566,20 +566,13 @@ class CheckpointManager:
         for prefix in planner.absent_prefixes:
             # As when it was saved: no state until the parameter's first step.
             del per_param[prefix[len("optimizer.state."):-1]]
-        options = StateDictOptions(strict=strict)
-        if optimizer is None:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-            set_model_state_dict(model, state["model"], options=options)
-        elif planner.absent_prefixes:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-            set_model_state_dict(model, state["model"], options=options)
-            # strict=False: torch would refuse the parameters left without state.
-            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
-        else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"], options=options)
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
+        if optimizer is not None:
+            # Not strict where parameters were left without state: torch would refuse them.
+            set_optimizer_state_dict(model, optimizer, state["optimizer"],
+                                     options=StateDictOptions(strict=strict and not planner.absent_prefixes))
         user_content = (
             None if user_content_raw is None
             else decode_user_content(user_content_raw, reader.store.describe(USER_CONTENT_FILE))

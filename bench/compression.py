@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import io
-import json
 import shutil
 import statistics
 import sys
@@ -49,7 +48,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import zstandard  # noqa: E402
 
 import dcp_ext  # noqa: E402
-from bench.report import update_readme  # noqa: E402
+from bench.report import publish  # noqa: E402
 from bench.state import build_state, make_spec  # noqa: E402
 from dcp_ext.codecs import ZstdCodec, decode_frame, encode_frame  # noqa: E402
 from dcp_ext.config import parse_size, usable_cores  # noqa: E402
@@ -359,13 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     result["targets"] = targets(result)
-    out = ROOT / "bench" / "results" / f"compression-{date}.json"
-    out.write_text(json.dumps(result, indent=1))
-    table = render(result)
-    print(table)
-    if not args.no_readme:
-        update_readme(ROOT / "bench" / "README.md", table, "compression")
-    print(f"results written to {out}")
+    publish(result, "compression", render(result), readme=not args.no_readme)
     return 0
 
 

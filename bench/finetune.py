@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from dist import run_world  # noqa: E402
 
 from dcp_ext.config import parse_size  # noqa: E402
-from bench.report import update_readme  # noqa: E402
+from bench.report import publish  # noqa: E402
 from bench.state import make_spec  # noqa: E402
 
 
@@ -251,13 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "samples": samples,
         "exports": exports,
     }
-    out = ROOT / "bench" / "results" / f"finetune-{record['date']}.json"
-    out.write_text(json.dumps(record, indent=1))
-    table = render(record)
-    print(table)
-    if not args.no_readme:
-        update_readme(ROOT / "bench" / "README.md", table, "finetune")
-    print(f"results written to {out}")
+    publish(record, "finetune", render(record), readme=not args.no_readme)
     return 0
 
 

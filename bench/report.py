@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,20 @@ def update_readme(readme: Path, markdown: str, block: str = "results") -> None:
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     readme.write_text(f"{head}{start}\n{markdown}\n{end}{tail}")
+
+
+def publish(record: dict[str, Any], name: str, markdown: str, readme: bool) -> Path:
+    """Write ``record`` to ``bench/results/{name}-{date}.json``, print ``markdown``
+    and, if ``readme``, put it into bench/README.md's ``{name}`` block.
+
+    Used by the single-purpose benchmarks (``bench.compression``,
+    ``bench.finetune``, ``bench.reshard``); returns the JSON's path.
+    """
+    bench = Path(__file__).resolve().parent
+    out = bench / "results" / f"{name}-{record['date']}.json"
+    out.write_text(json.dumps(record, indent=1))
+    print(markdown)
+    if readme:
+        update_readme(bench / "README.md", markdown, name)
+    print(f"results written to {out}")
+    return out

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from dist import run_world  # noqa: E402
 
-from bench.report import update_readme  # noqa: E402
+from bench.report import publish  # noqa: E402
 from bench.state import make_spec  # noqa: E402
 from dcp_ext.config import parse_size  # noqa: E402
 
@@ -229,13 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     scaling = planning_scaling([int(c) for c in args.counts.split(",")])
     record = {"date": datetime.date.today().isoformat(), "size_bytes": nbytes, "repeats": args.repeats,
               "cpus": os.cpu_count(), "loads": loads, "planning": scaling}
-    out = ROOT / "bench" / "results" / f"reshard-{record['date']}.json"
-    out.write_text(json.dumps(record, indent=1))
-    table = render(record)
-    print(table)
-    if not args.no_readme:
-        update_readme(ROOT / "bench" / "README.md", table, "reshard")
-    print(f"results written to {out}")
+    publish(record, "reshard", render(record), readme=not args.no_readme)
     return 0
 
 

@@ -22,7 +22,6 @@ from . import report
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-TESTS = ROOT / "tests"
 BUCKET = "bench"
 MiB = 1 << 20
 
@@ -264,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{command}\nworkdir {workdir}; {machine['cpu_count']} CPUs, {machine['ram_gib']:.1f} GiB RAM, "
           f"load average {machine['loadavg_start']}", flush=True)
 
-    sys.path.insert(0, str(TESTS))
-    from s3_servers import isolated_aws_env, start_seaweedfs
+    from tests.support.s3_servers import isolated_aws_env, start_seaweedfs
 
     server = None
     result: dict[str, Any] = {

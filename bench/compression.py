@@ -32,7 +32,6 @@ import datetime
 import io
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,18 +39,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+import torch
+import torch.distributed.checkpoint as dcp
+import zstandard
 
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-import zstandard  # noqa: E402
-
-import dcp_ext  # noqa: E402
-from bench.report import publish  # noqa: E402
-from bench.state import build_state, make_spec  # noqa: E402
-from dcp_ext.codecs import ZstdCodec, decode_frame, encode_frame  # noqa: E402
-from dcp_ext.config import parse_size, usable_cores  # noqa: E402
+import dcp_ext
+from bench.report import publish
+from bench.state import build_state, make_spec
+from dcp_ext.codecs import ZstdCodec, decode_frame, encode_frame
+from dcp_ext.config import parse_size, usable_cores
 
 FRAME = 1 << 20
 GB = 1e9
@@ -342,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     state = real_bf16_state(parse_size(args.size))
     result["save_load_raw"] = sum(v.numel() * 2 for v in state.values())
     server = None
-    from s3_servers import isolated_aws_env, start_seaweedfs
+    from tests.support.s3_servers import isolated_aws_env, start_seaweedfs
 
     try:
         s3 = None

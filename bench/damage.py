@@ -1,6 +1,6 @@
 """Damage trials: ``python -m bench.damage [--trials 500] [--seed 1]``.
 
-Runs ``tests/damage_trials.py`` on an uncompressed and a zstd root: each trial
+Runs ``tests/support/damage_trials.py`` on an uncompressed and a zstd root: each trial
 damages a copy of a good checkpoint root (byte flip, truncation, deleted
 shard, deleted or garbled metadata, stale ``newest``) and checks the damage is
 detected and never loaded as wrong data. Then every single-byte change of
@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from dcp_ext._metadata_format import decode_metadata
+from tests.support.damage_trials import make_root, run_trials
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from damage_trials import make_root, run_trials  # noqa: E402
-
-from dcp_ext._metadata_format import decode_metadata  # noqa: E402
 
 
 def exhaustive_metadata(base: Path) -> dict:

@@ -41,14 +41,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.report import publish
+from bench.state import make_spec
+from dcp_ext.config import parse_size
+from tests.support.dist import run_world
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from dist import run_world  # noqa: E402
-
-from dcp_ext.config import parse_size  # noqa: E402
-from bench.report import publish  # noqa: E402
-from bench.state import make_spec  # noqa: E402
 
 
 class _PeakRSS:
@@ -173,8 +171,7 @@ def save_partial_world(rank: int, world_size: int, root: str, size: int) -> None
 
 _EXPORT = """
 import json, sys, time, threading, psutil
-sys.path.insert(0, {bench!r})
-from bench.finetune import _PeakRSS
+from bench.finetune import _PeakRSS  # run with cwd = the repository root
 import dcp_ext
 manager = dcp_ext.CheckpointManager({root!r})
 manager.tags()
@@ -214,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     run_world(2, save_partial_world, str(work / "root"), size, timeout=1800)
     exports = []
     for _ in range(args.repeats):
-        script = _EXPORT.format(bench=str(ROOT), root=str(work / "root"), out="exported")
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=1800)
+        script = _EXPORT.format(root=str(work / "root"), out="exported")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=1800,
+                              cwd=ROOT)
         if done.returncode != 0:
             raise RuntimeError(done.stderr)
         exports.append(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -37,14 +37,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.report import publish
+from bench.state import make_spec
+from dcp_ext.config import parse_size
+from tests.support.dist import run_world
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from dist import run_world  # noqa: E402
-
-from bench.report import publish  # noqa: E402
-from bench.state import make_spec  # noqa: E402
-from dcp_ext.config import parse_size  # noqa: E402
 
 
 def _model(spec: Any, device: str) -> Any:
@@ -143,7 +141,6 @@ def load_world(rank: int, world_size: int, root: str, size: int, method: str) ->
 
 _PLANNING = r"""
 import json, sys, time, torch, torch.distributed as dist
-sys.path.insert(0, {root!r})
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -192,8 +189,9 @@ print(json.dumps(result))
 def planning_scaling(counts: list[int]) -> list[dict[str, Any]]:
     out = []
     for count in counts:
-        script = _PLANNING.format(root=str(ROOT), count=count)
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=3600)
+        script = _PLANNING.format(count=count)
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=3600,
+                              cwd=ROOT)
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-4000:])
         record = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """Crash-consistency torture: ``python -m bench.torture [--trials 200] [--seed 1]``.
 
-Runs the trials of ``tests/crash_torture.py`` (real 2-rank saves killed at a
+Runs the trials of ``tests/support/crash_torture.py`` (real 2-rank saves killed at a
 random crash point on one or all ranks, or at a random moment, or not at all;
 then bit-exact checks of what is left) and writes
 ``bench/results/torture-<date>.json`` with every trial's line.
@@ -11,15 +11,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from tests.support.crash_torture import run_trials
 
-from crash_torture import run_trials  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str] | None = None) -> int:

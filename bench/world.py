@@ -1,7 +1,8 @@
 """Run a benchmark function on N spawned ranks of a real gloo process group.
 
-A thin layer over the test suite's ``tests/dist.run_world`` (``tests/`` is put
-on ``sys.path`` by ``bench.cli``): ``run_world(n, "bench.worker:throughput",
+A thin layer over the test suite's ``tests.support.dist.run_world`` (importable
+as such from the repository root, where ``python -m bench`` runs):
+``run_world(n, "bench.worker:throughput",
 cfg)`` calls ``fn(rank, world_size, cfg)`` on each rank and returns rank 0's
 value. A failing rank's traceback is raised here and the other ranks are
 killed.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dist import WorldError, run_world as _run_world
+from tests.support.dist import WorldError, run_world as _run_world
 
 __all__ = ["run_world", "WorldError"]
 

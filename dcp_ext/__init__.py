@@ -23,6 +23,7 @@ from .errors import (
     CredentialsError,
     DcpExtError,
     NotACheckpointError,
+    PostCommitError,
     ReshardError,
     StorageError,
     StoragePermissionError,
@@ -36,6 +37,8 @@ from .manager import CheckpointManager, ResumeResult, resume_from_checkpoint, sa
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
 from .pretrained import FullCheckpointReader, PretrainedLoadReport, load_pretrained
 from .reader import CheckpointReader
+from .retention import KeepAny, KeepEvery, KeepLast, KeepMatching, RetentionPolicy
+from .root import CheckpointRoot
 from .user_content import UnsafeUserContentError
 from .writer import CheckpointWriter
 
@@ -47,6 +50,12 @@ __all__ = [
     "save",
     "load",
     "CheckpointManager",
+    "CheckpointRoot",
+    "RetentionPolicy",
+    "KeepLast",
+    "KeepEvery",
+    "KeepMatching",
+    "KeepAny",
     "ResumeResult",
     "save_checkpoint",
     "resume_from_checkpoint",
@@ -75,6 +84,7 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointExistsError",
     "CheckpointInProgressError",
+    "PostCommitError",
     "CheckpointCorruptError",
     "ChecksumMismatchError",
     "UnsupportedCodecError",

@@ -1,7 +1,8 @@
 """``dcp_ext.save`` / ``dcp_ext.load``: stock DCP with dcp_ext storage and errors.
 
 These call ``torch.distributed.checkpoint.save``/``load`` with a
-:class:`CheckpointWriter`/:class:`CheckpointReader` and differ in two ways:
+:class:`CheckpointWriter`/:class:`CheckpointReader` through
+:mod:`dcp_ext._dcp_calls`, and differ in two ways:
 
 * a failure raises the underlying error (a :class:`~dcp_ext.errors.DcpExtError`
   where storage is at fault) instead of DCP's ``CheckpointException``, which
@@ -17,17 +18,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from ._gc import gc_paused
-from ._quiet import torch_notices_quieted
+from ._dcp_calls import run_load, run_save
 from .codecs import Codec
 from .config import IOConfig
-from .errors import raise_unwrapped
+from .planners import LayoutLoadPlanner
 from .reader import CheckpointReader
 from .writer import CheckpointWriter
 
@@ -66,16 +63,7 @@ def save(
         path, storage_options=storage_options, overwrite=overwrite, config=config, compression=compression,
         **io_options
     )
-    try:
-        with gc_paused(), torch_notices_quieted():
-            metadata: Metadata = dcp_save(
-                state_dict, storage_writer=writer, planner=planner, process_group=process_group
-            )
-        return metadata
-    except CheckpointException as exc:
-        writer.remove_own_files()
-        raise_unwrapped(exc)
-        raise  # unreachable; keeps type checkers content
+    return run_save(state_dict, writer, planner, process_group)
 
 
 def load(
@@ -98,13 +86,5 @@ def load(
     """
     reader = CheckpointReader(path, storage_options=storage_options, config=config, **io_options)
     if planner is None:
-        from .planners import LayoutLoadPlanner
-
         planner = LayoutLoadPlanner(strict)  # non-tensor values unpickled with weights_only=True
-    try:
-        with gc_paused(), torch_notices_quieted():
-            dcp_load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
-    except CheckpointException as exc:
-        # DCP re-raises metadata failures as a bare AssertionError; the reader
-        # kept the real one.
-        raise_unwrapped(exc, reader.last_error)
+    run_load(state_dict, reader, planner, process_group)

@@ -27,7 +27,9 @@ from .config import IOConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
 from .full import CREATED_KEY
 from .integrity import read_own_metadata, verify
-from .layout import NEWEST_FILE, PARTIAL_SUFFIX, select_for_deletion
+from .layout import PARTIAL_SUFFIX
+from .retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
+from .root import CheckpointRoot
 from .storage import Store, join_path, normalize_path, open_store
 
 __all__ = ["main"]
@@ -101,9 +103,8 @@ def _created(timestamp: float | None) -> str:
 
 
 def _full_checkpoint_entry(store: Store, name: str) -> dict[str, Any] | None:
-    """The ``ls`` entry of a full checkpoint file, or ``None`` if ``name`` is not one."""
-    if name == NEWEST_FILE or name.startswith(("user_content_", ".")) or ".tmp" in name:
-        return None
+    """The ``ls`` entry of a full checkpoint file, or ``None`` if ``name`` is not one
+    (``name`` comes from :meth:`CheckpointRoot.full_candidates`)."""
     head = store.read_head(name, 8)
     size = store.size(name)
     entry: dict[str, Any] = {"tag": name, "state": "full", "newest": False, "stored_bytes": size, "ratio": 1.0,
@@ -186,17 +187,22 @@ def _print_entries(entries: list[dict[str, Any]]) -> None:
     print(_table(rows))
 
 
+def _open_root(url: str, options: dict[str, Any]) -> CheckpointRoot:
+    """The root at ``url``; a path that does not exist is an error (a typo must not look like an empty root)."""
+    root = CheckpointRoot(normalize_path(url), IOConfig.from_env(), options)
+    if not root.exists():
+        raise CheckpointNotFoundError(f"{root.store.describe()} does not exist: check the path (for S3: bucket, "
+                                      f"prefix and endpoint)", root.store.describe())
+    return root
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     options = _options(args)
-    root = normalize_path(args.root)
-    store = open_store(root, IOConfig.from_env(), options)
-    try:
-        newest: str | None = store.read_file(NEWEST_FILE).decode(errors="replace").strip()
-    except CheckpointNotFoundError:
-        newest = None
-    entries = [_partial_entry(root, d[: -len(PARTIAL_SUFFIX)], newest, options)
-               for d in store.list_dirs() if d.endswith(PARTIAL_SUFFIX)]
-    entries += [e for name in store.list_names() if (e := _full_checkpoint_entry(store, name))]
+    root = _open_root(args.root, options)
+    store = root.store
+    newest = root.newest_record()
+    entries = [_partial_entry(root.url, tag, newest, options) for tag in root.partial_tags()]
+    entries += [e for name in root.full_candidates() if (e := _full_checkpoint_entry(store, name))]
     if args.json:
         print(json.dumps({"root": store.describe(), "newest": newest, "checkpoints": entries}, indent=1))
         return 0
@@ -293,17 +299,21 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from .manager import CheckpointManager
-
-    manager = CheckpointManager(args.root, storage_options=_options(args))
-    newest = manager.read_newest()
-    doomed = select_for_deletion(manager.committed(), args.keep, protect={newest} if newest else set())
+    root = _open_root(args.root, _options(args))
+    policies: list[RetentionPolicy] = [KeepLast(args.keep)]
+    if args.keep_every:
+        policies.append(KeepEvery(args.keep_every))
+    policy = KeepAny(tuple(policies)) if len(policies) > 1 else policies[0]
+    committed = len(root.committed())
+    doomed = root.apply_retention(policy, dry_run=args.dry_run)
     for tag in doomed:
-        print(f"{'would delete' if args.dry_run else 'deleting'} {tag}")
-        if not args.dry_run:
-            manager.delete(tag, full=False)
-    print(f"{len(doomed)} of {len(manager.committed()) + (0 if args.dry_run else len(doomed))} "
-          f"partial checkpoints {'would be ' if args.dry_run else ''}deleted; newest is {newest}")
+        print(f"{'would delete' if args.dry_run else 'deleted'} {tag}")
+    leftovers = None if args.dry_run else root.remove_leftovers()
+    print(f"{len(doomed)} of {committed} partial checkpoints {'would be ' if args.dry_run else ''}deleted; "
+          f"newest is {root.newest_record()}")
+    if leftovers is not None and (leftovers.uncommitted or leftovers.uploads or leftovers.temp_files):
+        print(f"removed leftovers of crashed saves: {len(leftovers.uncommitted)} uncommitted checkpoint(s), "
+              f"{len(leftovers.uploads)} incomplete upload(s), {len(leftovers.temp_files)} temporary file(s)")
     return 0
 
 
@@ -345,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("prune", help="delete old partial checkpoints, keeping the newest N")
     p.add_argument("root", help="checkpoint root")
     p.add_argument("--keep", type=int, required=True, help="partial checkpoints to keep (newest is always kept)")
+    p.add_argument("--keep-every", type=int, default=0, metavar="K",
+                   help="also keep every checkpoint whose step (last number in its tag) is a multiple of K")
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     storage(p)
     demo.add_arguments(commands.add_parser("demo", help="save and load a sharded checkpoint across 2 local processes"))

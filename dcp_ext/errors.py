@@ -23,6 +23,8 @@ __all__ = [
     "NotACheckpointError",
     "CheckpointIncompleteError",
     "CheckpointExistsError",
+    "CheckpointInProgressError",
+    "PostCommitError",
     "CheckpointCorruptError",
     "StoragePermissionError",
     "CredentialsError",
@@ -31,7 +33,6 @@ __all__ = [
     "CheckpointKeyError",
     "ReshardError",
     "unwrap_checkpoint_exception",
-    "raise_unwrapped",
 ]
 
 
@@ -81,6 +82,12 @@ class CheckpointExistsError(DcpExtError, FileExistsError):
 class CheckpointInProgressError(DcpExtError, FileExistsError):
     """Another save to the same checkpoint path is in progress (its lock file
     exists and is not older than an hour)."""
+
+
+class PostCommitError(DcpExtError, RuntimeError):
+    """The checkpoint committed (it is complete and loadable), but a step after
+    the commit failed: moving ``newest`` or applying retention. Every rank of
+    the save raises it, for synchronous and asynchronous saves alike."""
 
 
 class CheckpointCorruptError(DcpExtError, ValueError):
@@ -149,15 +156,3 @@ def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:
         if isinstance(err, DcpExtError):
             return err
     return inner[0] if inner else exc
-
-
-def raise_unwrapped(exc: BaseException, preferred: BaseException | None = None) -> None:
-    """Raise the error inside DCP's ``CheckpointException`` (``preferred`` if given).
-
-    Falls back to re-raising ``exc`` when the inner failure is not an
-    ``Exception`` (e.g. ``KeyboardInterrupt``).
-    """
-    inner = preferred or unwrap_checkpoint_exception(exc)
-    if isinstance(inner, Exception):
-        raise inner
-    raise exc

@@ -10,8 +10,9 @@ Two formats, both streamed so that no process ever holds the whole model:
   and shapes; each tensor's bytes are then streamed into its record.
 
 Sources are pluggable: a callable returns each tensor in full when asked, so
-the same writer serves a sharded model (one all-gather per tensor), a model
-in memory, and a partial checkpoint on storage (one ranged read per tensor).
+the same writer serves a sharded model (one all-gather per tensor, see
+:func:`save_full`), a model in memory, and a partial checkpoint on storage
+(one ranged read per tensor, :mod:`dcp_ext.export`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from torch.serialization import skip_data
 
 from ._safetensors import build_header
 from ._torch_format import _HoleRecorder, tensor_bytes
-from .storage import ObjectWriter
+from .errors import CheckpointExistsError, DcpExtError
+from .layout import user_content_name
+from .process_group import GroupView
+from .storage import ObjectWriter, Store
 
-__all__ = ["CREATED_KEY", "FULL_FORMATS", "FullTensorSpec", "full_layout", "stream_full_checkpoint"]
+__all__ = ["CREATED_KEY", "FULL_FORMATS", "FullTensorSpec", "full_layout", "stream_full_checkpoint", "save_full"]
 
 FULL_FORMATS = ("safetensors", "torch")
 # Safetensors header metadata: when the file was written (Unix time, fixed
@@ -157,3 +161,75 @@ def stream_full_checkpoint(
 def spec_of(name: str, value: Any) -> FullTensorSpec:
     """The full-tensor spec of a tensor or DTensor (whose ``shape`` is global)."""
     return FullTensorSpec(name, value.dtype, tuple(int(s) for s in value.shape))
+
+
+def save_full(
+    group: GroupView,
+    store: Store,
+    name: str,
+    state: dict[str, Any],
+    *,
+    fmt: str = "safetensors",
+    user_content: bytes | None = None,
+    overwrite: bool = False,
+) -> None:
+    """(all ranks) Write ``state``'s tensors as one full checkpoint ``store/name``.
+
+    Every rank gathers each sharded tensor (``DTensor.full_tensor()``, a
+    collective) in file order; the coordinator streams it out, so no rank
+    holds more than one full tensor. The file appears only when complete.
+
+    Args:
+        group: The ranks that hold ``state``.
+        store: The root the file goes to.
+        name: The file's name (the tag).
+        state: Flat ``{key: tensor or DTensor}`` (other values are skipped).
+        fmt: ``"safetensors"`` or ``"torch"``.
+        user_content: Encoded user content, stored as ``user_content_{name}``.
+        overwrite: Replace an existing file.
+
+    Raises:
+        CheckpointExistsError: The file exists and ``overwrite`` is off (every rank).
+        DcpExtError: Writing failed on the coordinator (every rank).
+    """
+    if fmt not in FULL_FORMATS:
+        raise ValueError(f"unknown full_format {fmt!r}; use one of {FULL_FORMATS}")
+    tensors = [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)]
+    specs = [spec_of(k, v) for k, v in tensors]
+
+    def refuse_existing() -> None:
+        if not overwrite and store.exists(name):
+            raise CheckpointExistsError(
+                f"a full checkpoint {store.describe(name)} exists; pass overwrite=True", store.describe(name)
+            )
+
+    group.run_on_coordinator(refuse_existing)
+    layout = full_layout(specs, fmt)
+    coordinator = group.is_coordinator
+    writer = None
+    if coordinator:
+        store.ensure_root()
+        writer = store.open_writer(name, size_hint=layout.total_bytes(specs))
+
+    def fetch(index: int) -> torch.Tensor | None:
+        value = tensors[index][1]
+        whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+        return whole if coordinator else None
+
+    failure: BaseException | None = None
+    try:
+        stream_full_checkpoint(writer, specs, layout, fetch)
+        if writer is not None:
+            if user_content is not None:
+                store.write_file(user_content_name(name), user_content)
+            writer.commit()
+    except BaseException as err:
+        failure = err
+        if writer is not None:
+            writer.abort()
+    # Every rank took part in every gather; now all learn the coordinator's outcome.
+    message = group.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise DcpExtError(f"saving full checkpoint {store.describe(name)} failed on the coordinator: {message}")

@@ -20,13 +20,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ._frames import FrameSpan, FrameTable, checksum
 from ._metadata_format import METADATA_FILE, DecodedMetadata, StoredItem, chunk_shapes, decode_metadata
 from ._ranges import Piece, plan_requests
 from ._torch_format import torch_save_envelope
-from .codecs import check_descriptors, decode_frame
 from .config import IOConfig
 from .errors import CheckpointNotFoundError, DcpExtError
+from .frames import FrameSpan, frame_fault, frame_table
 from .reader import CheckpointReader
 from .storage import Store, normalize_path, open_store
 
@@ -230,12 +229,10 @@ def verify(
                 unchecked += 1
                 continue
             try:
-                if item.transforms:
-                    check_descriptors(item.transforms, store.describe(name))
+                table = frame_table(item, store.describe(name))
             except DcpExtError as err:
                 problems.append(Problem(name, item.offset, item.offset + item.length, (_key(index),), str(err)))
                 continue
-            table = FrameTable(item)
             for k in range(len(table)):
                 frame = table.frame(k)
                 add(index, item, frame, functools.partial(_check, item, frame))
@@ -279,15 +276,8 @@ def _check_envelope(expected: bytes, stored: memoryview) -> str:
 
 
 def _check(item: StoredItem, frame: FrameSpan, stored: memoryview) -> str:
-    actual = checksum(stored)
-    if actual != frame.checksum:
-        return f"checksum mismatch (xxh3-64 recorded {frame.checksum:016x}, read {actual:016x})"
-    if item.transforms:
-        try:
-            decode_frame(item.transforms, stored, memoryview(bytearray(frame.raw_length)))
-        except Exception as err:  # the checksum matched: written damaged
-            return f"does not decode with {list(item.transforms)} ({type(err).__name__}: {err})"
-    return ""
+    fault = frame_fault(item.transforms, frame, stored)
+    return "" if fault is None else fault.reason
 
 
 def _problem(item: StoredItem, frame: FrameSpan, index: MetadataIndex, reason: str) -> Problem:

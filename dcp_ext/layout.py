@@ -16,14 +16,13 @@
     └── user_content_step100         # its user content
 
 Pure functions and values only: tag validation, file names, the partition
-record and the retention rule. I/O lives in :mod:`dcp_ext.manager`.
+record. Retention rules are in :mod:`dcp_ext.retention`; I/O in :mod:`dcp_ext.root`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +44,6 @@ __all__ = [
     "Partition",
     "position_name",
     "TagInfo",
-    "select_for_deletion",
 ]
 
 NEWEST_FILE = "newest"
@@ -241,24 +239,3 @@ class TagInfo:
 
     tag: str
     committed_at: float
-
-
-def select_for_deletion(
-    committed: Sequence[TagInfo], keep: int, protect: Collection[str] = ()
-) -> list[str]:
-    """Retention: which committed tags to delete so that the ``keep`` newest remain.
-
-    Tags in ``protect`` (the ``newest`` target, a checkpoint being loaded) are
-    never selected. Newest means latest commit time (ties broken by tag).
-
-    Returns:
-        Tags to delete, oldest first.
-
-    Raises:
-        ValueError: ``keep < 1``.
-    """
-    if keep < 1:
-        raise ValueError(f"num_kept_partial_checkpoints must be >= 1, got {keep}")
-    ordered = sorted(committed, key=lambda t: (t.committed_at, t.tag), reverse=True)
-    doomed = [t.tag for t in ordered[keep:] if t.tag not in protect]
-    return list(reversed(doomed))

@@ -1,7 +1,11 @@
 """The checkpoint API: ``CheckpointManager``, ``save_checkpoint`` and ``resume_from_checkpoint``.
 
 The SageMaker model-parallel workflow on open PyTorch (DCP with plain, DDP,
-FSDP2 and tensor-parallel models) in the layout of :mod:`dcp_ext.layout`.
+FSDP2 and tensor-parallel models) in the layout of :mod:`dcp_ext.layout`. The
+manager orchestrates; each job has its own module: the root's tags,
+``newest``, deletion and leftovers (:mod:`dcp_ext.root`), retention policies
+(:mod:`dcp_ext.retention`), full checkpoints (:mod:`dcp_ext.full`), DCP calls
+(:mod:`dcp_ext._dcp_calls`), the process group (:mod:`dcp_ext.process_group`).
 
 Order of a partial save (each step only after the previous one succeeded):
 
@@ -11,75 +15,52 @@ Order of a partial save (each step only after the previous one succeeded):
    then the metadata, which commits the checkpoint;
 3. the coordinator points ``newest`` at the tag (atomic replace locally, one
    PUT on S3);
-4. retention deletes the oldest committed partial checkpoints beyond
-   ``num_kept_partial_checkpoints``, never the ``newest`` target and never a
-   file dcp_ext did not write.
+4. retention deletes the committed partial checkpoints its policy does not
+   keep, never the ``newest`` target and never a file dcp_ext did not write;
+   then what crashed saves left behind is removed.
 
-A failure at any step leaves ``newest`` on the previous tag and deletes nothing.
+Steps 3-4 run inside the writer's ``finish``, so a failure there reaches
+every rank through DCP, for synchronous and asynchronous saves alike. A
+failure at any step leaves ``newest`` on the previous tag and deletes nothing.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import os
-import re
 import threading
-import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
-from ._metadata_format import METADATA_FILE, TORCH_METADATA_FILE
-from .config import IOConfig
-from .errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    DcpExtError,
-    NotACheckpointError,
-    raise_unwrapped,
-    unwrap_checkpoint_exception,
-)
+from ._dcp_calls import run_load, run_save, start_async_save
 from .codecs import Codec, resolve_codec
-from ._failpoints import crash_point
-from ._gc import gc_paused
-from ._quiet import torch_notices_quieted
-from .full import FULL_FORMATS, full_layout, spec_of, stream_full_checkpoint
-from .layout import (
-    NEWEST_FILE,
-    PARTIAL_SUFFIX,
-    PARTITION_FILE,
-    USER_CONTENT_FILE,
-    MeshInfo,
-    Partition,
-    TagInfo,
-    partial_dir,
-    select_for_deletion,
-    user_content_name,
-    validate_tag,
-)
+from .config import IOConfig
+from .errors import CheckpointExistsError, CheckpointNotFoundError, DcpExtError, NotACheckpointError, PostCommitError
+from .full import save_full
+from .layout import PARTITION_FILE, USER_CONTENT_FILE, MeshInfo, Partition, TagInfo, user_content_name, validate_tag
+from ._metadata_format import METADATA_FILE
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
 from .pretrained import load_pretrained
+from .process_group import GroupView
 from .reader import CheckpointReader
+from .retention import KeepLast, RetentionPolicy
+from .root import CheckpointRoot
 from .storage import Store, join_path, normalize_path, open_store
-from .storage.local import TMP_MARK
 from .user_content import decode_user_content, encode_user_content
-from .writer import DATA_SUFFIX, LOCK_FILE, STALE_LOCK_SECONDS, CheckpointWriter, lock_holder_running
+from .writer import CheckpointWriter
 
 __all__ = ["CheckpointManager", "ResumeResult", "save_checkpoint", "resume_from_checkpoint"]
 
 log = logging.getLogger("dcp_ext.manager")
 
-# Files dcp_ext writes in a partial checkpoint directory; deletion touches nothing else.
-_OWN_FILES = (METADATA_FILE, TORCH_METADATA_FILE, PARTITION_FILE, USER_CONTENT_FILE)
-_CREATED = re.compile(rb'"created":([0-9.eE+-]+)')
+# A resume that follows ``newest`` retries this often when retention of a
+# concurrent save deletes the tag it is reading.
+_RESUME_ATTEMPTS = 4
 
 
 @dataclass(frozen=True)
@@ -114,6 +95,13 @@ class CheckpointManager:
         compression: Codec of partial checkpoints: ``None`` (default),
             ``"zstd"`` or a codec object (see :class:`CheckpointWriter`).
             Loading needs no setting; full checkpoints are not compressed.
+        retention: Default :mod:`dcp_ext.retention` policy applied after each
+            partial save (``None``: keep everything unless a save says otherwise).
+
+    Attributes:
+        checkpoints: The :class:`~dcp_ext.root.CheckpointRoot` (tags, ``newest``, deletion).
+        last_load_planner: The planner of the last partial resume (fast-path and key reports).
+        last_reader: Its reader; ``last_reader.store.stats`` has the bytes and files read.
     """
 
     def __init__(
@@ -125,72 +113,26 @@ class CheckpointManager:
         process_group: Any = None,
         mesh: Any = None,
         compression: str | Codec | None = None,
+        retention: RetentionPolicy | None = None,
     ) -> None:
         self.root = normalize_path(root)
         self.compression = resolve_codec(compression)
         self.storage_options = dict(storage_options or {})
         self.config = config or IOConfig.from_env()
         self.process_group = process_group
+        self.group = GroupView(process_group)
         self.mesh = MeshInfo.from_device_mesh(mesh) if mesh is not None else None
-        self._root_store = open_store(self.root, self.config, self.storage_options)
+        self.retention = retention
+        self.checkpoints = CheckpointRoot(self.root, self.config, self.storage_options)
         self._pending: concurrent.futures.Future[None] | None = None
         self._lock = threading.Lock()
-        #: The planner and reader of the last partial resume: fast-path and
-        #: key reports, and ``last_reader.store.stats`` (bytes and files read).
         self.last_load_planner: LayoutLoadPlanner | None = None
         self.last_reader: CheckpointReader | None = None
-
-    # -- process-group helpers -----------------------------------------------------
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
-    def _rank(self) -> int:
-        return dist.get_rank(self.process_group) if self._distributed() else 0
-
-    def _is_coordinator(self) -> bool:
-        return self._rank() == 0
-
-    def _broadcast(self, value: Any) -> Any:
-        """The coordinator's ``value`` on every rank."""
-        if not self._distributed():
-            return value
-        holder = [value]
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        dist.broadcast_object_list(holder, src=src, group=self.process_group)
-        return holder[0]
-
-    def _barrier(self) -> None:
-        if self._distributed():
-            dist.barrier(group=self.process_group)
-
-    def _global_ranks(self) -> list[int] | None:
-        if not self._distributed() or self.process_group is None:
-            return None
-        return [dist.get_global_rank(self.process_group, r) for r in range(dist.get_world_size(self.process_group))]
-
-    def _store(self, name: str) -> Store:
-        return open_store(join_path(self.root, name), self.config, self.storage_options)
 
     # -- queries (any rank) ------------------------------------------------------------
     def committed(self) -> list[TagInfo]:
         """Committed partial checkpoints, oldest first."""
-        infos = []
-        for name in self._root_store.list_dirs():
-            if not name.endswith(PARTIAL_SUFFIX):
-                continue
-            tag = name[: -len(PARTIAL_SUFFIX)]
-            try:
-                validate_tag(tag)
-            except DcpExtError:
-                continue
-            store = self._store(name)
-            try:
-                head = store.read_head(METADATA_FILE, 512)
-            except CheckpointNotFoundError:
-                continue  # never committed (failed or running save)
-            match = _CREATED.search(head)
-            infos.append(TagInfo(tag, float(match.group(1)) if match else 0.0))
-        return sorted(infos, key=lambda t: (t.committed_at, t.tag))
+        return self.checkpoints.committed()
 
     def tags(self) -> list[str]:
         """Tags of the committed partial checkpoints, oldest first."""
@@ -199,24 +141,12 @@ class CheckpointManager:
     def read_newest(self) -> str | None:
         """The tag named by ``newest`` if it is committed, else the newest committed
         tag (with a warning), else ``None``."""
-        committed = self.committed()
-        names = {t.tag for t in committed}
-        try:
-            recorded = self._root_store.read_file(NEWEST_FILE).decode().strip()
-        except CheckpointNotFoundError:
-            recorded = None
-        if recorded in names:
-            return recorded
-        if not committed:
-            return None
-        fallback = committed[-1].tag
-        warnings.warn(
-            f"{self._root_store.describe(NEWEST_FILE)} "
-            + ("is missing" if recorded is None else f"names {recorded!r}, which is not a committed checkpoint")
-            + f"; using the newest committed tag {fallback!r}",
-            stacklevel=2,
-        )
-        return fallback
+        return self.checkpoints.newest()
+
+    def partition(self, tag: str) -> Partition:
+        """The partition record of a partial checkpoint."""
+        store = self.checkpoints.partial_store(tag)
+        return Partition.from_json(store.read_file(PARTITION_FILE), store.describe(PARTITION_FILE))
 
     # -- save -------------------------------------------------------------------------
     def wait(self) -> None:
@@ -242,6 +172,7 @@ class CheckpointManager:
         overwrite: bool = False,
         full_format: str = "safetensors",
         include_optimizer: bool = False,
+        retention: RetentionPolicy | None = None,
     ) -> concurrent.futures.Future[None] | None:
         """(all ranks) Save a checkpoint under ``tag``.
 
@@ -255,41 +186,44 @@ class CheckpointManager:
             partial: ``True``: sharded ``{tag}_partial/`` for resuming;
                 ``False``: one full model file ``ROOT/{tag}`` for inference.
             num_kept_partial_checkpoints: After this save commits, delete the
-                oldest partial checkpoints beyond this many.
+                oldest partial checkpoints beyond this many (``KeepLast(n)``).
             async_save: Return a future at once; ``newest`` and retention are
-                applied when the background save commits.
+                applied when the background save commits. The future's
+                outcome, errors included, is the same on every rank.
             overwrite: Replace an existing checkpoint with this tag.
             full_format: ``"safetensors"`` or ``"torch"`` (full checkpoints).
             include_optimizer: Also put the optimizer state in a full checkpoint.
+            retention: A :mod:`dcp_ext.retention` policy for this save
+                (default: the manager's); not together with
+                ``num_kept_partial_checkpoints``.
 
         Returns:
             A future when ``async_save``, else ``None``.
+
+        Raises:
+            PostCommitError: (every rank) The checkpoint committed, but moving
+                ``newest`` or retention failed.
         """
         validate_tag(tag)
         if model is None and optimizer is None:
             raise ValueError("save needs a model and/or an optimizer")
-        if num_kept_partial_checkpoints is not None and num_kept_partial_checkpoints < 1:
-            raise ValueError(f"num_kept_partial_checkpoints must be >= 1, got {num_kept_partial_checkpoints}")
+        if num_kept_partial_checkpoints is not None and retention is not None:
+            raise ValueError("pass num_kept_partial_checkpoints or retention, not both")
+        policy = KeepLast(num_kept_partial_checkpoints) if num_kept_partial_checkpoints is not None else (
+            retention or self.retention
+        )
         encoded = None if user_content is None else encode_user_content(user_content)
         self.wait()  # one save at a time
         if not partial:
             if async_save:
                 raise ValueError("async_save is only supported for partial checkpoints")
-            self._save_full(tag, model, optimizer if include_optimizer else None, encoded, full_format, overwrite)
+            if model is None:
+                raise ValueError("a full checkpoint needs the model")
+            state = _full_state(model, optimizer if include_optimizer else None)
+            save_full(self.group, self.checkpoints.store, tag, state, fmt=full_format, user_content=encoded,
+                      overwrite=overwrite)
             return None
-        return self._save_partial(tag, model, optimizer, encoded, num_kept_partial_checkpoints, async_save, overwrite)
-
-    def _app_state(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        if model is None:
-            raise ValueError("a model is needed to name the optimizer's state")
-        if optimizer is None:
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-            return {"model": get_model_state_dict(model)}
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
+        return self._save_partial(tag, model, optimizer, encoded, policy, async_save, overwrite)
 
     def _save_partial(
         self,
@@ -297,15 +231,12 @@ class CheckpointManager:
         model: nn.Module | None,
         optimizer: torch.optim.Optimizer | None,
         user_content: bytes | None,
-        keep: int | None,
+        policy: RetentionPolicy | None,
         async_save: bool,
         overwrite: bool,
     ) -> concurrent.futures.Future[None] | None:
-        from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
-        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-        state = self._app_state(model, optimizer)
-        planner = LayoutSavePlanner(self.mesh, self._global_ranks())
+        state = _app_state(model, optimizer)
+        planner = LayoutSavePlanner(self.mesh, self.group.global_ranks())
 
         def before_commit(store: Store) -> None:
             if user_content is not None:
@@ -314,147 +245,33 @@ class CheckpointManager:
                 store.write_file(PARTITION_FILE, planner.partition.to_json())
 
         writer = CheckpointWriter(
-            join_path(self.root, partial_dir(tag)), storage_options=self.storage_options,
+            self.checkpoints.partial_url(tag), storage_options=self.storage_options,
             overwrite=overwrite, config=self.config, before_commit=before_commit,
-            compression=self.compression,
+            after_commit=lambda: self._after_commit(tag, policy), compression=self.compression,
         )
         if not async_save:
-            try:
-                with gc_paused(), torch_notices_quieted():
-                    dcp_save(state, storage_writer=writer, planner=planner, process_group=self.process_group)
-            except CheckpointException as exc:
-                writer.remove_own_files()
-                raise_unwrapped(exc)
-            error = self._after_commit(tag, keep) if self._is_coordinator() else None
-            error = self._broadcast(error)
-            if error is not None:
-                raise DcpExtError(f"checkpoint {tag!r} committed, but {error}")
+            run_save(state, writer, planner, self.process_group)
             return None
-
-        result: concurrent.futures.Future[None] = concurrent.futures.Future()
-        with torch_notices_quieted():
-            inner = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=self.process_group)
-        upload = inner.upload_completion if hasattr(inner, "upload_completion") else inner
-
-        def done(future: concurrent.futures.Future[Any]) -> None:
-            try:
-                future.result()
-            except BaseException as exc:
-                writer.remove_own_files()
-                inner_error = unwrap_checkpoint_exception(exc)
-                result.set_exception(inner_error if isinstance(inner_error, Exception) else exc)
-                return
-            error = self._after_commit(tag, keep) if self._is_coordinator() else None
-            if error is not None:
-                result.set_exception(DcpExtError(f"checkpoint {tag!r} committed, but {error}"))
-            else:
-                result.set_result(None)
-
-        upload.add_done_callback(done)
+        future = start_async_save(state, writer, planner, self.process_group)
         with self._lock:
-            self._pending = result
-        return result
+            self._pending = future
+        return future
 
-    def _after_commit(self, tag: str, keep: int | None) -> str | None:
-        """(coordinator) Move ``newest``, then apply retention; returns an error text."""
-        crash_point("before_newest")
+    def _after_commit(self, tag: str, policy: RetentionPolicy | None) -> None:
+        """(coordinator, in the writer's ``finish``) Move ``newest``, apply retention, tidy."""
         try:
-            self._root_store.write_file(NEWEST_FILE, f"{tag}\n".encode())
+            self.checkpoints.set_newest(tag)
         except DcpExtError as err:
-            return f"updating {NEWEST_FILE} failed: {err}"
-        if keep is not None:
+            raise PostCommitError(f"checkpoint {tag!r} committed, but updating newest failed: {err}") from err
+        if policy is not None:
             try:
-                for doomed in select_for_deletion(self.committed(), keep, protect={tag}):
-                    self._delete_partial(doomed)
+                self.checkpoints.apply_retention(policy, protect={tag})
             except DcpExtError as err:
-                return f"retention failed: {err}"
+                raise PostCommitError(f"checkpoint {tag!r} committed, but retention failed: {err}") from err
         try:
-            self._remove_leftovers(tag)
+            self.checkpoints.remove_leftovers(current=tag)
         except DcpExtError as err:  # the checkpoint is committed; this is tidying
-            log.warning("could not remove leftovers under %s: %s", self._root_store.url, err)
-        return None
-
-    def _remove_leftovers(self, current: str) -> None:
-        """(coordinator, after a commit) Delete what crashed saves left: partial
-        directories that never committed (no metadata) and temporary files in
-        the root. The tag being saved, and any directory a live process on
-        this host is saving right now (its lock), are never touched; one job
-        saves to a root at a time."""
-        for name in self._root_store.list_names():
-            if TMP_MARK in name:
-                self._root_store.delete(name)
-        for name in self._root_store.list_dirs():
-            if not name.endswith(PARTIAL_SUFFIX) or name == partial_dir(current):
-                continue
-            tag = name[: -len(PARTIAL_SUFFIX)]
-            try:
-                validate_tag(tag)
-            except DcpExtError:
-                continue  # not ours
-            store = self._store(name)
-            if store.exists(METADATA_FILE) or _lock_is_live(store):
-                continue  # committed, or another job is saving it right now
-            log.info("removing %s: a save that never committed", name)
-            self._delete_partial(tag)
-
-    def _save_full(
-        self,
-        tag: str,
-        model: nn.Module | None,
-        optimizer: torch.optim.Optimizer | None,
-        user_content: bytes | None,
-        fmt: str,
-        overwrite: bool,
-    ) -> None:
-        if fmt not in FULL_FORMATS:
-            raise ValueError(f"unknown full_format {fmt!r}; use one of {FULL_FORMATS}")
-        if model is None:
-            raise ValueError("a full checkpoint needs the model")
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        state = dict(get_model_state_dict(model))
-        if optimizer is not None:
-            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-            flat, _ = flatten_state_dict({"optimizer": get_optimizer_state_dict(model, optimizer)})
-            state.update({k: v for k, v in flat.items() if isinstance(v, torch.Tensor)})
-        tensors = [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)]
-        specs = [spec_of(k, v) for k, v in tensors]
-        coordinator = self._is_coordinator()
-        error: str | None = None
-        if coordinator and not overwrite and self._root_store.exists(tag):
-            error = f"a full checkpoint {self._root_store.describe(tag)} exists; pass overwrite=True"
-        error = self._broadcast(error)
-        if error is not None:
-            raise CheckpointExistsError(error, self._root_store.describe(tag))
-        layout = full_layout(specs, fmt)
-        writer = None
-        if coordinator:
-            self._root_store.ensure_root()
-            writer = self._root_store.open_writer(tag, size_hint=layout.total_bytes(specs))
-        failure: BaseException | None = None
-
-        def fetch(index: int) -> torch.Tensor | None:
-            value = tensors[index][1]
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            return full if coordinator else None
-
-        try:
-            stream_full_checkpoint(writer, specs, layout, fetch)
-            if writer is not None:
-                if user_content is not None:
-                    self._root_store.write_file(user_content_name(tag), user_content)
-                writer.commit()
-        except BaseException as err:
-            failure = err
-            if writer is not None:
-                writer.abort()
-        message = self._broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
-        if failure is not None:
-            raise failure
-        if message is not None:
-            raise DcpExtError(f"saving full checkpoint {tag!r} failed on the coordinator: {message}")
+            log.warning("could not remove leftovers under %s: %s", self.root, err)
 
     # -- resume -----------------------------------------------------------------------
     def resume(
@@ -491,12 +308,7 @@ class CheckpointManager:
         """
         follow_newest = tag is None
         if tag is None:
-            tag = self._broadcast(self.read_newest() if self._is_coordinator() else None)
-            if tag is None:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint under {self._root_store.url}: nothing to resume from",
-                    self._root_store.url,
-                )
+            tag = self.group.run_on_coordinator(self._newest_or_raise)
         validate_tag(tag)
         if not partial:
             return self._resume_full(tag, model, strict)
@@ -511,12 +323,21 @@ class CheckpointManager:
                 # If newest has moved on, load that one instead.
                 if not follow_newest or attempt == _RESUME_ATTEMPTS - 1:
                     raise
-                newer = self._broadcast(self.read_newest() if self._is_coordinator() else None)
+                newer = self.group.run_on_coordinator(self.read_newest)
                 if newer is None or newer == tag:
                     raise
                 log.warning("checkpoint %s disappeared while loading (%s); loading the newest, %s", tag, err, newer)
                 tag = newer
         raise AssertionError("unreachable")
+
+    def _newest_or_raise(self) -> str:
+        newest = self.read_newest()
+        if newest is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {self.checkpoints.store.url}: nothing to resume from",
+                self.checkpoints.store.url,
+            )
+        return newest
 
     def _resume_partial(
         self,
@@ -526,48 +347,41 @@ class CheckpointManager:
         strict: bool,
         allow_dtype_cast: bool,
     ) -> ResumeResult:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
-        url = join_path(self.root, partial_dir(tag))
-        reader = CheckpointReader(url, storage_options=self.storage_options, config=self.config)
-        state = self._app_state(model, optimizer)
-        # The small files are read by the coordinator, before the data, and
-        # shared, so that a tag deleted meanwhile fails on every rank alike.
-        extras: tuple[bytes | None, bytes | None, bool] | None = None
-        if self._is_coordinator():
-            extras = (
-                _read_optional(reader.store, PARTITION_FILE),
-                _read_optional(reader.store, USER_CONTENT_FILE),
-                reader.store.exists(METADATA_FILE),
-            )
-        partition_raw, user_content_raw, committed = self._broadcast(extras)
-        if not committed:
-            raise reader.missing_metadata_error()
+        reader = CheckpointReader(self.checkpoints.partial_url(tag), storage_options=self.storage_options,
+                                  config=self.config)
+        state = _app_state(model, optimizer)
+
+        def small_files() -> tuple[bytes | None, bytes | None]:
+            # Read by the coordinator before the data and shared, so that a
+            # tag deleted meanwhile fails on every rank alike.
+            if not reader.store.exists(METADATA_FILE):
+                raise reader.missing_metadata_error()
+            return _read_optional(reader.store, PARTITION_FILE), _read_optional(reader.store, USER_CONTENT_FILE)
+
+        partition_raw, user_content_raw = self.group.run_on_coordinator(small_files)
         partition = (
             None if partition_raw is None
             else Partition.from_json(partition_raw, reader.store.describe(PARTITION_FILE))
         )
-        world = dist.get_world_size(self.process_group) if self._distributed() else 1
         # A parameter that had no gradient when the checkpoint was saved has
         # no optimizer state in it; get_state_dict has made some here.
         per_param = state.get("optimizer", {}).get("state", {})
         planner = LayoutLoadPlanner(
-            strict, allow_dtype_cast=allow_dtype_cast, partition=partition, world_size=world, mesh=self.mesh,
-            optional_prefixes=[f"optimizer.state.{fqn}." for fqn in per_param],
+            strict, allow_dtype_cast=allow_dtype_cast, partition=partition, world_size=self.group.world_size,
+            mesh=self.mesh, optional_prefixes=[f"optimizer.state.{fqn}." for fqn in per_param],
         )
         self.last_load_planner = planner
         self.last_reader = reader
-        try:
-            with gc_paused(), torch_notices_quieted():
-                dcp_load(state, storage_reader=reader, planner=planner, process_group=self.process_group)
-        except CheckpointException as exc:
-            raise_unwrapped(exc, reader.last_error)
+        run_load(state, reader, planner, self.process_group)
         for prefix in planner.absent_prefixes:
             # As when it was saved: no state until the parameter's first step.
             del per_param[prefix[len("optimizer.state."):-1]]
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
         if optimizer is not None:
             # Not strict where parameters were left without state: torch would refuse them.
@@ -582,62 +396,28 @@ class CheckpointManager:
     def _resume_full(self, tag: str, model: nn.Module | None, strict: bool) -> ResumeResult:
         if model is None:
             raise ValueError("resume from a full checkpoint needs the model")
-        if not self._root_store.exists(tag):
+        store = self.checkpoints.store
+        if not store.exists(tag):
             raise CheckpointNotFoundError(
-                f"no full checkpoint {self._root_store.describe(tag)}; saved tags with "
-                f"partial=False live at ROOT/<tag>",
-                self._root_store.describe(tag),
+                f"no full checkpoint {store.describe(tag)}; saved tags with partial=False live at ROOT/<tag>",
+                store.describe(tag),
             )
         load_pretrained(
-            model, join_path(self.root, tag), strict=strict, storage_options=self.storage_options,
-            process_group=self.process_group, config=self.config,
+            model, join_path(self.root, tag), strict=strict, storage_options=self.storage_options, process_group=self.process_group,
+            config=self.config,
         )
-        return ResumeResult(tag, self._read_user_content(self._root_store, user_content_name(tag)), False)
-
-    @staticmethod
-    def _read_user_content(store: Store, name: str) -> Any:
-        try:
-            data = store.read_file(name)
-        except CheckpointNotFoundError:
-            return None
-        return decode_user_content(data, store.describe(name))
+        raw = _read_optional(store, user_content_name(tag))
+        content = None if raw is None else decode_user_content(raw, store.describe(user_content_name(tag)))
+        return ResumeResult(tag, content, False)
 
     # -- maintenance (coordinator or a single process) -------------------------------
-    def partition(self, tag: str) -> Partition:
-        """The partition record of a partial checkpoint."""
-        store = self._store(partial_dir(tag))
-        return Partition.from_json(store.read_file(PARTITION_FILE), store.describe(PARTITION_FILE))
-
     def delete(self, tag: str, *, partial: bool = True, full: bool = True) -> None:
         """Delete a checkpoint's files written by dcp_ext (nothing else).
 
         Raises:
             ValueError: ``tag`` is the target of ``newest`` (partial).
         """
-        validate_tag(tag)
-        if partial:
-            try:
-                recorded = self._root_store.read_file(NEWEST_FILE).decode().strip()
-            except CheckpointNotFoundError:
-                recorded = None
-            if recorded == tag:
-                raise ValueError(f"{tag!r} is the newest checkpoint; save a newer one before deleting it")
-            self._delete_partial(tag)
-        if full:
-            self._root_store.delete(tag)
-            self._root_store.delete(user_content_name(tag))
-
-    def _delete_partial(self, tag: str) -> None:
-        store = self._store(partial_dir(tag))
-        # The commit marker goes first: a half-deleted checkpoint is never
-        # mistaken for a committed one.
-        for name in _OWN_FILES:
-            store.delete(name)
-        crash_point("mid_retention")
-        for name in store.list_names():
-            if name.endswith(DATA_SUFFIX) or TMP_MARK in name or name == LOCK_FILE:
-                store.delete(name)
-        store.remove_root_if_empty()
+        self.checkpoints.delete(tag, partial=partial, full=full)
 
     def export(
         self,
@@ -670,9 +450,9 @@ class CheckpointManager:
         validate_tag(tag)
         from .export import export_partial
 
+        root_store = self.checkpoints.store
         if out is None or "/" not in out:
-            name = validate_tag(out or tag)
-            target_store, target_name = self._root_store, name
+            target_store, target_name = root_store, validate_tag(out or tag)
         else:
             parent, _, target_name = normalize_path(out).rstrip("/").rpartition("/")
             target_store = open_store(parent, self.config, self.storage_options)
@@ -680,21 +460,38 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"{target_store.describe(target_name)} exists; pass overwrite=True", target_store.describe(target_name)
             )
-        source = join_path(self.root, partial_dir(tag))
-        export_partial(source, target_store, target_name, full_format=full_format,
+        export_partial(self.checkpoints.partial_url(tag), target_store, target_name, full_format=full_format,
                        include_optimizer=include_optimizer, storage_options=self.storage_options,
                        config=self.config, progress=progress)
-        try:
-            content = self._store(partial_dir(tag)).read_file(USER_CONTENT_FILE)
-        except CheckpointNotFoundError:
-            content = None
-        if content is not None and target_store is self._root_store:
-            self._root_store.write_file(user_content_name(target_name), content)
+        content = _read_optional(self.checkpoints.partial_store(tag), USER_CONTENT_FILE)
+        if content is not None and target_store is root_store:
+            root_store.write_file(user_content_name(target_name), content)
         return target_store.describe(target_name)
 
 
-# -- SageMaker-style functions ------------------------------------------------------
-_RESUME_ATTEMPTS = 4
+def _app_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` state dicts as DCP saves and loads them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if model is None:
+        raise ValueError("a model is needed to name the optimizer's state")
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The model's state dict, plus the optimizer's tensors under flattened ``optimizer.`` keys."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from ._compat import flatten_state_dict
+
+    state = dict(get_model_state_dict(model))
+    if optimizer is not None:
+        flat, _ = flatten_state_dict({"optimizer": get_optimizer_state_dict(model, optimizer)})
+        state.update({k: v for k, v in flat.items() if isinstance(v, torch.Tensor)})
+    return state
 
 
 def _read_optional(store: Store, name: str) -> bytes | None:
@@ -704,19 +501,7 @@ def _read_optional(store: Store, name: str) -> bytes | None:
         return None
 
 
-def _lock_is_live(store: Store) -> bool:
-    """Whether ``store``'s checkpoint is being saved right now by a running
-    save on this host. A lock from another host cannot be checked and counts
-    as abandoned: one job saves to a root at a time."""
-    try:
-        record = json.loads(store.read_file(LOCK_FILE))
-        if time.time() - float(record["started"]) >= STALE_LOCK_SECONDS:
-            return False
-    except (DcpExtError, ValueError, KeyError, TypeError):
-        return False
-    return lock_holder_running(record) is True
-
-
+# -- SageMaker-style functions ------------------------------------------------------
 def save_checkpoint(
     path: str | os.PathLike[str],
     tag: str,
@@ -731,8 +516,9 @@ def save_checkpoint(
 ) -> concurrent.futures.Future[None] | None:
     """(all ranks) ``smp.save_checkpoint`` on DCP; see :meth:`CheckpointManager.save`.
 
-    Extra keyword arguments: ``process_group``, ``mesh``, ``config`` (for the
-    manager) and ``overwrite``, ``full_format``, ``include_optimizer``.
+    Extra keyword arguments: ``process_group``, ``mesh``, ``config``,
+    ``compression`` (for the manager) and ``overwrite``, ``full_format``,
+    ``include_optimizer``, ``retention``.
     An asynchronous save keeps its manager alive through the returned future.
     """
     manager_args = {
@@ -765,4 +551,3 @@ def resume_from_checkpoint(
     return manager.resume(
         model, optimizer, tag=tag, partial=partial, strict=strict, allow_dtype_cast=allow_dtype_cast
     )
-

@@ -23,8 +23,6 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import FLATTEN_MAPPING
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -33,13 +31,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, SavePlan
-from torch.distributed.checkpoint.planner_helpers import (
-    _create_chunk_list,
-    _create_read_items,
-    create_read_items_for_chunk_list,
-)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from ._compat import FLATTEN_MAPPING, _create_chunk_list, _create_read_items, set_element
 from .errors import CheckpointCorruptError, CheckpointKeyError, ReshardError
 from .layout import MeshInfo, Partition, RankPartition, kind_of, position_name
 from .writer import DATA_SUFFIX, FileAssignment

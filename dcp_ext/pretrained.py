@@ -38,8 +38,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ._gc import gc_paused
-from ._quiet import torch_notices_quieted
+from ._dcp_calls import run_load
 from ._metadata_format import StoredItem, validate_file_name
 from ._ranges import Piece, plan_requests
 from ._safetensors import MAX_HEADER, parse_header
@@ -118,8 +117,14 @@ class FullCheckpointReader(CheckpointReader):
         return source, None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            raise ValueError("FullCheckpointReader reads the file given at construction; create a new reader")
+        """(all ranks) Start a new load, optionally of another full checkpoint
+        (``dcp.load(checkpoint_id=...)``)."""
+        if checkpoint_id and normalize_path(checkpoint_id) != self.source:
+            self.source = normalize_path(checkpoint_id)
+            root, self._file = self._locate(self.source, self.storage_options, self.config)
+            self._metadata = None
+            super().reset(root)
+            return
         super().reset(None)
 
     # -- metadata -----------------------------------------------------------
@@ -430,8 +435,6 @@ def load_pretrained(
         get_model_state_dict,
         set_model_state_dict,
     )
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
     from .planners import LayoutLoadPlanner
 
     uninitialized: list[str] = []
@@ -466,8 +469,7 @@ def load_pretrained(
                 f"{key!r}: the checkpoint holds shape {tuple(stored.size)} but the model has {shape}"
             )
     planner = LayoutLoadPlanner(strict=True, keys=tuple(wanted))  # missing/unexpected handled above
-    with gc_paused(), torch_notices_quieted():
-        dcp_load(wanted, storage_reader=reader, planner=planner, process_group=process_group)
+    run_load(wanted, reader, planner, process_group)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return PretrainedLoadReport(
         loaded=tuple(sorted(wanted)),

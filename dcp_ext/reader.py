@@ -18,14 +18,10 @@ import io
 import os
 import uuid
 from collections.abc import Callable
-import queue
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -44,24 +40,22 @@ from ._metadata_format import (
     load_torch_metadata,
     validate_file_name,
 )
+from ._compat import _StorageInfo, narrow_tensor_by_index
 from ._gc import gc_paused
 from ._memory import release_free_memory
-from ._frames import FrameSpan, FrameTable, checksum
 from ._ranges import Piece, box_runs, plan_requests, run_starts
 from ._torch_format import tensor_bytes
-from .codecs import check_descriptors, decode_frame
 from .config import IOConfig, usable_cores
+from .frames import FrameReader, FrameStats, FrameTable, FrameWork, frame_table
 from .layout import NEWEST_FILE, PARTIAL_SUFFIX
 from .errors import (
-    ChecksumMismatchError,
     CheckpointCorruptError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
     DcpExtError,
     NotACheckpointError,
 )
-from .storage import Store, normalize_path, open_store
-from .storage.local import TMP_MARK
+from .storage import TMP_MARK, Store, normalize_path, open_store
 
 __all__ = ["CheckpointReader"]
 
@@ -80,80 +74,6 @@ class _Pending:
     pieces: list[Piece]
     scratch_bytes: int
     finish: Callable[[], None]
-
-
-class _FrameWork:
-    """Worker threads for frame checksums and decompression (xxhash and zstd
-    release the GIL), fed from the reading threads through a queue (a future
-    per frame costs about as much as hashing it); :meth:`wait` returns once
-    everything submitted so far is done and raises the first error."""
-
-    def __init__(self, threads: int) -> None:
-        self._threads = threads
-        self._queue: queue.SimpleQueue[Callable[[], None] | threading.Barrier | None] = queue.SimpleQueue()
-        self._workers: list[threading.Thread] = []
-        self._errors: list[BaseException] = []
-        self._lock = threading.Lock()
-
-    def submit(self, task: Callable[[], None]) -> None:
-        if not self._workers:
-            with self._lock:
-                if not self._workers:
-                    for n in range(self._threads):
-                        worker = threading.Thread(target=self._run, name=f"dcp_ext-frames-{n}", daemon=True)
-                        worker.start()
-                        self._workers.append(worker)
-        self._queue.put(task)
-
-    def _run(self) -> None:
-        while True:
-            task = self._queue.get()
-            if task is None:
-                return
-            if isinstance(task, threading.Barrier):
-                # Every worker holds one barrier token only after finishing
-                # all it took before: the queue is FIFO.
-                task.wait()
-                continue
-            if self._errors:
-                continue  # a frame failed: drain the rest without work
-            try:
-                task()
-            except BaseException as err:
-                self._errors.append(err)
-
-    def wait(self) -> None:
-        if self._workers:
-            barrier = threading.Barrier(len(self._workers) + 1)
-            for _ in self._workers:
-                self._queue.put(barrier)
-            barrier.wait()
-        if self._errors:
-            error = self._errors[0]
-            self._errors = []
-            raise error
-
-    def close(self) -> None:
-        for _ in self._workers:
-            self._queue.put(None)
-        for worker in self._workers:
-            worker.join()
-        self._workers = []
-
-
-@dataclass
-class FrameStats:
-    """What a reader did with frames (for tests and benchmarks).
-
-    Attributes:
-        verified: Frames whose checksum was checked.
-        decoded: Compressed frames decompressed.
-        decoded_bytes: Raw bytes those frames produced.
-    """
-
-    verified: int = 0
-    decoded: int = 0
-    decoded_bytes: int = 0
 
 
 class CheckpointReader(StorageReader):
@@ -224,10 +144,8 @@ class CheckpointReader(StorageReader):
         self._store: Store | None = None
         self._filesystem: Any = None
         self.last_error: BaseException | None = None
-        self.frame_stats = FrameStats()
-        self._stats_lock = threading.Lock()
         self._tables: dict[MetadataIndex, FrameTable] = {}
-        self._work = _FrameWork(1)
+        self._frames = FrameReader()
 
     @property
     def store(self) -> Store:
@@ -241,6 +159,11 @@ class CheckpointReader(StorageReader):
     def checkpoint_id(self) -> str:
         return self.path
 
+    @property
+    def frame_stats(self) -> FrameStats:
+        """Frames verified and decoded since the last ``reset``."""
+        return self._frames.stats
+
     # -- StorageReader --------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """(all ranks) Start a new load, optionally from a new path."""
@@ -253,7 +176,7 @@ class CheckpointReader(StorageReader):
         self.storage_data = {}
         self._chunks = {}
         self._tables = {}
-        self.frame_stats = FrameStats()
+        self._frames = FrameReader()
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP must not retry per rank
         """(all ranks) Read and validate the checkpoint's metadata.
@@ -371,7 +294,7 @@ class CheckpointReader(StorageReader):
         budget = self.config.read_buffer_bytes
         batch: list[_Pending] = []
         batch_scratch = 0
-        self._work = _FrameWork(usable_cores())
+        self._frames.work = FrameWork(usable_cores())
         try:
             for read_item in plan.items:
                 pending = self._prepare(read_item, planner)
@@ -382,7 +305,7 @@ class CheckpointReader(StorageReader):
                 batch_scratch += pending.scratch_bytes
             self._run_batch(batch)
         finally:
-            self._work.close()
+            self._frames.work.close()
 
     # -- internals --------------------------------------------------------------
     def _run_batch(self, batch: list[_Pending]) -> None:
@@ -395,7 +318,7 @@ class CheckpointReader(StorageReader):
             max_request=self.config.read_request_size,
         )
         store.read(requests)
-        self._work.wait()
+        self._frames.work.wait()
         for pending in batch:
             pending.finish()
 
@@ -508,105 +431,21 @@ class CheckpointReader(StorageReader):
         each ``(start, dest)`` of ``runs``.
 
         Uncompressed data without verification is read straight into the
-        destinations. Otherwise every frame covering a run is read whole:
-        frames that a single destination covers exactly land in it and are
-        checksummed there; the others go through a scratch buffer, are
-        checked, decompressed if needed, and copied out.
+        destinations; otherwise whole frames are read, checked and decoded
+        (:meth:`dcp_ext.frames.FrameReader.pieces`).
         """
         name = info.relative_path
         verify = self.config.verify_checksums and bool(info.checksums)
         if not info.transforms and (not verify or not info.frame_size):
             base = info.offset + info.data_offset
             return _Pending([Piece(name, base + start, dest) for start, dest in runs], scratch_bytes, finish)
-        table = self._frame_table(read_item.storage_index, info)
-        parts: dict[int, list[tuple[int, memoryview]]] = {}
-        size = table.frame_size
-        for start, dest in runs:
-            end = start + dest.nbytes
-            for k in table.covering(start, end):
-                lo, hi = max(start, k * size), min(end, (k + 1) * size)
-                parts.setdefault(k, []).append((lo - k * size, dest[lo - start : hi - start]))
-        # Raw frames are checked by the thread that read them, at once, while
-        # the bytes are in cache (measured: 20 ms per GiB over an unverified
-        # page-cache load, against 40 ms handing them to other threads).
-        # Compressed frames go to worker threads as soon as they land, so
-        # decompression overlaps the reads that follow.
-        pieces: list[Piece] = []
-        submit = self._work.submit
-        for k, frame_parts in parts.items():
-            frame = table.frame(k)
-            whole = len(frame_parts) == 1 and frame_parts[0][1].nbytes == frame.raw_length
-            if whole and not info.transforms:  # straight into the destination
-                dest = frame_parts[0][1]
-                check = _bind(self._check_frame, read_item, info, frame, dest)
-                pieces.append(Piece(name, frame.stored_offset, dest, check))
-                continue
-            stored = memoryview(bytearray(frame.stored_length))
-            # Stored bytes wait in scratch; a compressed frame needs a raw
-            # scratch buffer too unless one destination takes all of it.
-            scratch_bytes += frame.stored_length + (frame.raw_length if info.transforms and not whole else 0)
-            decode = _bind(self._decode_frame, read_item, info, frame, stored, frame_parts)
-            done = _bind(submit, decode) if info.transforms else decode
-            pieces.append(Piece(name, frame.stored_offset, stored, done))
-        return _Pending(pieces, scratch_bytes, finish)
-
-    def _frame_table(self, index: MetadataIndex, info: StoredItem) -> FrameTable:
+        index = read_item.storage_index
+        where = self.store.describe(name)
         table = self._tables.get(index)
         if table is None:
-            if info.transforms:
-                check_descriptors(info.transforms, self.store.describe(info.relative_path))
-            table = self._tables[index] = FrameTable(info)
-        return table
-
-    def _check_frame(self, read_item: ReadItem, info: StoredItem, frame: FrameSpan, stored: memoryview) -> None:
-        if frame.checksum is None or not self.config.verify_checksums:
-            return
-        actual = checksum(stored)
-        with self._stats_lock:
-            self.frame_stats.verified += 1
-        if actual != frame.checksum:
-            raise ChecksumMismatchError(
-                _frame_problem(
-                    self.store.describe(info.relative_path), read_item.storage_index, frame,
-                    f"fail their checksum (xxh3-64 recorded {frame.checksum:016x}, read {actual:016x})",
-                ),
-                self.store.describe(info.relative_path),
-            )
-
-    def _decode_frame(
-        self,
-        read_item: ReadItem,
-        info: StoredItem,
-        frame: FrameSpan,
-        stored: memoryview,
-        parts: list[tuple[int, memoryview]],
-    ) -> None:
-        self._check_frame(read_item, info, frame, stored)
-        if not info.transforms:
-            for pos, dest in parts:
-                dest[:] = stored[pos : pos + dest.nbytes]
-            return
-        whole = len(parts) == 1 and parts[0][1].nbytes == frame.raw_length
-        raw = parts[0][1] if whole else memoryview(bytearray(frame.raw_length))
-        try:
-            decode_frame(info.transforms, stored, raw)
-        except DcpExtError:
-            raise
-        except Exception as err:
-            where = self.store.describe(info.relative_path)
-            raise CheckpointCorruptError(
-                _frame_problem(
-                    where, read_item.storage_index, frame,
-                    f"do not decode with {list(info.transforms)} ({type(err).__name__}: {err})",
-                ),
-                where,
-            ) from err
-        with self._stats_lock:
-            self.frame_stats.decoded += 1
-            self.frame_stats.decoded_bytes += frame.raw_length
-        if not whole:
-            for pos, dest in parts:
-                dest[:] = raw[pos : pos + dest.nbytes]
+            table = self._tables[index] = frame_table(info, where)
+        pieces, frame_scratch = self._frames.pieces(table, runs, where, index, verify)
+        return _Pending(pieces, scratch_bytes + frame_scratch, finish)
 
     def _prepare_torch_item(self, read_item: ReadItem, info: _StorageInfo, planner: LoadPlanner) -> _Pending:
         """An item written by torch's own writers: read it whole and decode it."""
@@ -654,22 +493,3 @@ def _numel(sizes: tuple[int, ...]) -> int:
     for s in sizes:
         n *= s
     return n
-
-
-def _bind(fn: Callable[..., None], *args: Any) -> Callable[[], None]:
-    def task() -> None:
-        fn(*args)
-
-    return task
-
-
-def _frame_problem(where: str, index: MetadataIndex, frame: FrameSpan, what: str) -> str:
-    """The message for a damaged frame: file, byte range, key, what to do."""
-    at = f" at offset {tuple(index.offset)}" if index.offset is not None else ""
-    end = frame.stored_offset + frame.stored_length
-    return (
-        f"{where}: bytes [{frame.stored_offset}, {end}) {what}; they hold frame "
-        f"{frame.index + 1} of {frame.count} of {index.fqn!r}{at}. The file was damaged after "
-        f"it was written: restore it from a copy or load an earlier checkpoint "
-        f"(dcp_ext.verify lists every damaged frame)."
-    )

@@ -3,20 +3,22 @@
 Commit protocol (each step starts only after the previous one succeeded on
 every rank; DCP's collectives provide the ordering):
 
-1. (coordinator, ``prepare_global_plan``) refuse an existing committed
-   checkpoint unless ``overwrite=True``; with it, delete the old metadata
-   first so the old checkpoint stops being loadable before any byte of it is
-   replaced. Then take the path's save lock (``.dcp_ext.saving``, created
-   exclusively): a second job saving the same path at the same time fails
-   with ``CheckpointInProgressError`` before writing anything.
+1. (coordinator, ``prepare_global_plan``) take the path's save lock
+   (:mod:`dcp_ext.save_lock`) before changing anything: a second job saving
+   the same path at the same time fails with ``CheckpointInProgressError``,
+   and a refused save leaves the old checkpoint as it was. Then refuse an
+   existing committed checkpoint unless ``overwrite=True``; with it, delete
+   the old metadata so the old checkpoint stops being loadable before any
+   byte of it is replaced.
 2. (all ranks, ``write_data``) stream data files. Each file becomes visible
    under its final name only when durable: fsync + rename on file systems, a
    completed multipart upload on S3. A failing rank aborts its files.
 3. (coordinator, ``finish``) write torch's pickled ``.metadata`` (so torch's
    readers can load the checkpoint), then ``dcp_ext.metadata.json``, the commit
-   marker. Then release the lock, and delete data files of an overwritten
+   marker. Then release the lock, delete data files of an overwritten
    checkpoint that the new one does not use and temporary files left by
-   crashed saves.
+   crashed saves, and run ``after_commit`` (the manager moves ``newest``
+   there); its failure reaches every rank as a ``PostCommitError``.
 
 A reader refuses a checkpoint without metadata, so a save that dies at any
 point leaves either the previous state or nothing loadable, never a mix.
@@ -25,15 +27,9 @@ point leaves either the previous state or nothing loadable, never a mix.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import socket
-import time
-import weakref
 import uuid
-from collections import deque
-from concurrent.futures import Future as _TaskFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -53,27 +49,21 @@ from ._metadata_format import (
     to_torch_metadata,
 )
 from ._failpoints import crash_point
-from ._frames import checksum
 from ._memory import release_free_memory
 from ._torch_format import DTYPES, tensor_bytes, torch_save_envelope
 from .codecs import Codec, resolve_codec
-from .config import IOConfig, usable_cores
-from .errors import CheckpointExistsError, CheckpointInProgressError, DcpExtError
+from .config import IOConfig
+from .frames import FrameEncoder
+from .errors import CheckpointExistsError, DcpExtError, PostCommitError
 from .layout import kind_of
-from .storage import Store, normalize_path, open_store
-from .storage.local import TMP_MARK
+from .save_lock import SaveLock
+from .storage import TMP_MARK, Store, normalize_path, open_store
 
-__all__ = ["CheckpointWriter", "FileAssignment", "DATA_SUFFIX", "LOCK_FILE"]
+__all__ = ["CheckpointWriter", "FileAssignment", "DATA_SUFFIX"]
 
 log = logging.getLogger("dcp_ext.writer")
 
 DATA_SUFFIX = ".distcp"
-# Held by the coordinator from planning until the metadata is written.
-LOCK_FILE = ".dcp_ext.saving"
-STALE_LOCK_SECONDS = 3600
-# Saves of this process that hold their lock now (save id -> writer); a
-# writer that is gone cannot be saving any more.
-_LIVE_SAVES: weakref.WeakValueDictionary[str, CheckpointWriter] = weakref.WeakValueDictionary()
 # Rough upper bound of a torch.save envelope, used only for S3 part sizing.
 _ENVELOPE_ESTIMATE = 2048
 
@@ -170,6 +160,9 @@ class CheckpointWriter(StorageWriter):
         before_commit: Called by the coordinator with the checkpoint's store
             after all data is durable and before the metadata commits it;
             extra files written there are part of the checkpoint.
+        after_commit: Called by the coordinator after the commit; an error
+            it raises reaches every rank as ``PostCommitError`` (the
+            checkpoint stays committed).
         compression: ``None`` (default: raw bytes, readable by torch's own
             readers too), ``"zstd"`` (zstd level 1 with byte grouping for
             floating-point tensors), or a codec such as
@@ -193,6 +186,7 @@ class CheckpointWriter(StorageWriter):
         files_per_rank: int | None = None,
         fsync: bool | None = None,
         before_commit: Callable[[Store], None] | None = None,
+        after_commit: Callable[[], None] | None = None,
         compression: str | Codec | None = None,
         frame_size: int | str | None = None,
     ) -> None:
@@ -216,8 +210,9 @@ class CheckpointWriter(StorageWriter):
         self._filesystem: Any = None
         self._written: list[str] = []
         self.before_commit = before_commit
+        self.after_commit = after_commit
         self.codec = resolve_codec(compression)
-        self._lock_held = False
+        self._lock: SaveLock | None = None
 
     # -- helpers ----------------------------------------------------------------
     @property
@@ -236,9 +231,8 @@ class CheckpointWriter(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """(all ranks) Start a new save, optionally at a new path."""
         # A lock left by a failed earlier save through this writer stays on
-        # storage, where the next save (this one) may take it over.
-        _LIVE_SAVES.pop(self.save_id, None)
-        self._lock_held = False
+        # storage, where it now counts as abandoned (its save is gone).
+        self._lock = None
         if checkpoint_id:
             new_path = normalize_path(checkpoint_id)
             if new_path != self.path:
@@ -264,20 +258,18 @@ class CheckpointWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """(coordinator) Protect existing checkpoints; name every rank's files."""
+        """(coordinator) Take the save lock, protect existing checkpoints, name every rank's files."""
         store = self.store
-        existing = [n for n in (METADATA_FILE, TORCH_METADATA_FILE) if store.exists(n)]
-        if existing:
-            if not self.overwrite:
-                raise CheckpointExistsError(
-                    f"a checkpoint already exists at {store.url}; pass overwrite=True "
-                    f"(to CheckpointWriter, dcp_ext.save or save_checkpoint) to replace it, or save to a new path",
-                    store.url,
-                )
-            # Un-commit the old checkpoint before touching any of its data.
-            for name in existing:
-                store.delete(name)
-        self._acquire_lock(store)
+        self._refuse_existing(store)  # the clearer error, before the lock's
+        self._lock = SaveLock(store, self.save_id)
+        self._lock.acquire()
+        try:
+            # Checked again under the lock: a save that held it may have committed.
+            for name in self._refuse_existing(store):
+                store.delete(name)  # un-commit the old checkpoint before touching its data
+        except BaseException:
+            self._release_lock()
+            raise
         return [
             plan
             if isinstance(plan.storage_data, FileAssignment)
@@ -285,49 +277,21 @@ class CheckpointWriter(StorageWriter):
             for rank, plan in enumerate(plans)
         ]
 
-    def _acquire_lock(self, store: Store) -> None:
-        """(coordinator) Take the save lock of this path, so that a second job
-        saving the same checkpoint at the same time fails before it writes a
-        byte instead of interleaving its files with ours."""
-        record = json.dumps({
-            "save_id": self.save_id, "started": time.time(),
-            "host": socket.gethostname(), "pid": os.getpid(),
-        }).encode()
-        for _ in range(2):
-            if store.create_exclusive(LOCK_FILE, record):
-                self._lock_held = True
-                _LIVE_SAVES[self.save_id] = self
-                return
-            try:
-                other = json.loads(store.read_file(LOCK_FILE))
-            except (DcpExtError, ValueError):
-                other = {}
-            if not isinstance(other, dict):
-                other = {}
-            age = time.time() - float(other.get("started", 0) or 0)
-            if age < STALE_LOCK_SECONDS and lock_holder_running(other) is not False:
-                raise CheckpointInProgressError(
-                    f"another save to {store.url} is in progress (save {other.get('save_id', '?')} "
-                    f"by pid {other.get('pid', '?')} on {other.get('host', '?')}, started {age:.0f} s "
-                    f"ago). Wait for it or save to another path; if that job died, delete "
-                    f"{store.describe(LOCK_FILE)} (it counts as abandoned after "
-                    f"{STALE_LOCK_SECONDS // 60} minutes, or at once on the host that "
-                    f"wrote it when its process has exited).",
-                    store.url,
-                )
-            log.warning("taking over the lock of an abandoned save at %s (%.0f s old, pid %s on %s)",
-                        store.url, age, other.get("pid"), other.get("host"))
-            store.delete(LOCK_FILE)
-        raise CheckpointInProgressError(f"could not take the save lock of {store.url}", store.url)
+    def _refuse_existing(self, store: Store) -> list[str]:
+        """The metadata files of a committed checkpoint at the path; raises unless ``overwrite``."""
+        existing = [n for n in (METADATA_FILE, TORCH_METADATA_FILE) if store.exists(n)]
+        if existing and not self.overwrite:
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {store.url}; pass overwrite=True "
+                f"(to CheckpointWriter, dcp_ext.save or save_checkpoint) to replace it, or save to a new path",
+                store.url,
+            )
+        return existing
 
     def _release_lock(self) -> None:
-        _LIVE_SAVES.pop(self.save_id, None)
-        if self._lock_held:
-            self._lock_held = False
-            try:
-                self.store.delete(LOCK_FILE)
-            except Exception as err:  # noqa: BLE001 - a stale lock expires
-                log.warning("could not delete %s: %s", self.store.describe(LOCK_FILE), err)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """(all ranks) Stream this rank's items into its data files and commit them."""
@@ -367,131 +331,27 @@ class CheckpointWriter(StorageWriter):
     def _write_file(
         self, store: Store, name: str, items: list[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
+        """Write one data file: each item's frames (:class:`~dcp_ext.frames.FrameEncoder`)."""
         size_hint = sum(_item_nbytes(i) + _ENVELOPE_ESTIMATE for i in items)
+        raw_tensors = self.codec is None  # stored inside torch.save envelopes
         with store.open_writer(name, size_hint=size_hint) as writer:
-            if self.codec is None:
-                results = []
-                for item in items:
-                    results.append(self._write_raw_item(writer, name, item, planner))
-                    if len(results) == 1:
-                        crash_point("mid_data")
-            else:
-                results = self._write_encoded_items(writer, name, items, planner, self.codec)
-            writer.commit()
-        self._written.append(name)
-        return results
-
-    def _write_raw_item(
-        self, writer: Any, name: str, item: WriteItem, planner: SavePlanner
-    ) -> WriteResult:
-        """Write one item uncompressed, checksumming each frame as it goes out."""
-        frame_size = self.config.frame_size
-        start = writer.position
-        data = planner.resolve_data(item)
-        keep, raw = _raw_view(data, item)
-        envelope = None
-        if keep is not None:
-            envelope = torch_save_envelope(keep.dtype, tuple(keep.shape))
-            writer.write(envelope.prefix)
-        data_at = writer.position - start
-        sums = []
-        for pos in range(0, raw.nbytes, frame_size):
-            frame = raw[pos : pos + frame_size]
-            sums.append(checksum(frame))
-            writer.write(frame)
-        if envelope is not None:
-            writer.write(envelope.suffix)
-        stored = StoredItem(
-            name,
-            start,
-            writer.position - start,
-            data_at,
-            raw.nbytes,
-            frame_size=frame_size,
-            checksums=tuple(sums),
-        )
-        del raw, keep, data
-        return WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored)
-
-    def _write_encoded_items(
-        self, writer: Any, name: str, items: list[WriteItem], planner: SavePlanner, codec: Codec
-    ) -> list[WriteResult]:
-        """Write items compressed: frames of all items are encoded (and
-        checksummed) by a thread pool, at most ``2 * threads`` at a time, and
-        written in order by this thread."""
-        frame_size = self.config.frame_size
-        threads = usable_cores()
-        window = 2 * threads
-        results: list[WriteResult] = []
-
-        def encode(transforms: tuple[str, ...], frame: memoryview) -> tuple[bytes, int]:
-            out = codec.encode(transforms, frame)
-            return out, checksum(out)
-
-        class _Open:
-            """The item whose frames are being written."""
-
-            def __init__(self, item: WriteItem, keep: Any, raw: memoryview, transforms: tuple[str, ...]) -> None:
-                self.item, self.keep, self.raw, self.transforms = item, keep, raw, transforms
-                self.start = -1
-                self.lengths: list[int] = []
-                self.sums: list[int] = []
-
-        def close(entry: _Open) -> None:
-            if entry.start < 0:
-                entry.start = writer.position
-            length = writer.position - entry.start
-            stored = StoredItem(
-                name,
-                entry.start,
-                length,
-                0,
-                length,
-                raw_length=entry.raw.nbytes,
-                transforms=entry.transforms,
-                frame_size=frame_size,
-                frame_lengths=tuple(entry.lengths),
-                checksums=tuple(entry.sums),
-            )
-            results.append(WriteResult(index=entry.item.index, size_in_bytes=length, storage_data=stored))
-            if len(results) == 1:
-                crash_point("mid_data")
-
-        pending: deque[tuple[_Open, _TaskFuture[tuple[bytes, int]] | None]] = deque()
-
-        def drain(keep_at_most: int) -> None:
-            while len(pending) > keep_at_most:
-                entry, task = pending.popleft()
-                if task is None:  # end of an item
-                    close(entry)
-                    continue
-                out, digest = task.result()
-                if entry.start < 0:
-                    entry.start = writer.position
-                writer.write(out)
-                entry.lengths.append(len(out))
-                entry.sums.append(digest)
-
-        with ThreadPoolExecutor(threads, thread_name_prefix="dcp_ext-encode") as pool:
-            try:
+            with FrameEncoder(writer, name, self.config.frame_size, self.codec) as frames:
                 for item in items:
                     data = planner.resolve_data(item)
                     keep, raw = _raw_view(data, item)
-                    dtype = keep.dtype if keep is not None else None
-                    entry = _Open(item, keep if keep is not None else data, raw, codec.transforms(dtype))
-                    for pos in range(0, raw.nbytes, frame_size):
-                        pending.append(
-                            (entry, pool.submit(encode, entry.transforms, raw[pos : pos + frame_size]))
-                        )
-                        drain(window)
-                    pending.append((entry, None))
-                drain(0)
-            except BaseException:
-                for _, task in pending:
-                    if task is not None:
-                        task.cancel()
-                raise
-        return results
+                    if keep is None:
+                        frames.add(raw, data)
+                    else:
+                        envelope = torch_save_envelope(keep.dtype, tuple(keep.shape)) if raw_tensors else None
+                        frames.add(raw, keep, dtype=keep.dtype, envelope=envelope)
+                    del data, keep, raw
+                stored = frames.finish()
+            writer.commit()
+        self._written.append(name)
+        return [
+            WriteResult(index=item.index, size_in_bytes=where.length, storage_data=where)
+            for item, where in zip(items, stored, strict=True)
+        ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Write the metadata, which commits the checkpoint."""
@@ -515,6 +375,13 @@ class CheckpointWriter(StorageWriter):
         store.write_file(METADATA_FILE, encode_metadata(metadata, items, world_size=len(results)))
         self._release_lock()
         self._remove_leftovers({item.relative_path for item in items.values()})
+        if self.after_commit is not None:
+            try:
+                self.after_commit()
+            except PostCommitError:
+                raise
+            except Exception as err:
+                raise PostCommitError(f"checkpoint {store.url} committed, but {err}", store.url) from err
 
     def _remove_leftovers(self, keep: set[str]) -> None:
         store = self.store
@@ -528,7 +395,23 @@ class CheckpointWriter(StorageWriter):
 
     def remove_own_files(self) -> None:
         """(each rank) Delete the data files this rank committed in the current
-        save. Used after a failed save so that no orphaned data remains."""
+        save. Used after a failed save so that no orphaned data remains.
+
+        Nothing is deleted if the checkpoint committed after all: a rank
+        whose coordinator died after writing the metadata (or whose
+        ``after_commit`` failed) sees the save fail, yet the metadata, which
+        only this save can have written once it took the lock and removed
+        the old one, references these files. If that cannot be checked, the
+        files stay for the leftover cleanup of the next save.
+        """
+        if self._written:
+            try:
+                committed = self.store.exists(METADATA_FILE)
+            except DcpExtError as err:
+                log.warning("not removing this rank's files in %s: %s", self.store.url, err)
+                committed = True
+            if committed:
+                self._written = []
         for name in self._written:
             try:
                 self.store.delete(name)
@@ -567,29 +450,6 @@ def _tensor_for_storage(data: Any, item: WriteItem) -> torch.Tensor:
             f"{tuple(item.tensor_data.chunk.sizes)}"
         )
     return tensor
-
-
-def lock_holder_running(lock: dict[str, Any]) -> bool | None:
-    """Whether the save that wrote ``lock`` (the JSON of a ``LOCK_FILE``) is
-    still running: checked for locks written on this host (by pid; for this
-    process, whether one of its writers still holds it, since an earlier
-    stock ``dcp.save`` that failed never releases its lock). ``None`` for
-    locks from other hosts, which cannot be checked."""
-    if lock.get("host") != socket.gethostname():
-        return None
-    try:
-        pid = int(lock["pid"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    if pid == os.getpid():
-        return lock.get("save_id") in _LIVE_SAVES
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists (e.g. another user's process)
-    return True
 
 
 def _raw_view(data: Any, item: WriteItem) -> tuple[torch.Tensor | None, memoryview]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,17 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-import api_workers
 import dcp_ext
-from conftest import BUCKET
 from dcp_ext import CheckpointManager, resume_from_checkpoint, save_checkpoint
-from dist import run_world
-from fault_proxy import FaultPlan, FaultProxy
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
+from tests.support import api_workers
+from tests.support.backends import BUCKET
+from tests.support.compare import assert_same_state
+from tests.support.dist import run_world
+from tests.support.fault_proxy import FaultPlan, FaultProxy
+from tests.support.hostile import RunsCode
 
 def test_layout_partition_and_export(tmp_path: Path) -> None:
     (report, *_) = run_world(4, api_workers.layout_world, str(tmp_path))
@@ -70,26 +66,26 @@ def test_layout_partition_and_export(tmp_path: Path) -> None:
     assert measured["grew_kib"] * 1024 < model_bytes, (measured, model_bytes)  # measured: ~15 MiB of 32
     import safetensors.torch
 
-    assert _same(safetensors.torch.load_file(str(tmp_path / "mesh" / "full_st")), report["full"])
-    assert _same(torch.load(tmp_path / "mesh" / "full_pt", weights_only=True), report["full"])
-    assert _same(torch.load(tmp_path / "mesh" / "direct", weights_only=True), report["full"])
+    assert_same_state(report["full"], safetensors.torch.load_file(str(tmp_path / "mesh" / "full_st")))
+    assert_same_state(report["full"], torch.load(tmp_path / "mesh" / "full_pt", weights_only=True))
+    assert_same_state(report["full"], torch.load(tmp_path / "mesh" / "direct", weights_only=True))
     # The 2x2-mesh partial checkpoint resumes into one process (another partition).
     manager = CheckpointManager(tmp_path / "mesh")
     single = api_workers.mlp(8, width=512, hidden=2048, blocks=4)
     assert manager.resume(single, tag="t1").user_content == {"step": 1}
-    assert _same(single.state_dict(), report["full"])
+    assert_same_state(report["full"], single.state_dict())
     # The full file's user content came along.
     model = api_workers.mlp(9, width=512, hidden=2048, blocks=4)
     result_full = manager.resume(model, tag="full_st", partial=False)
     assert result_full.user_content == {"step": 1}
-    assert _same(model.state_dict(), report["full"])
+    assert_same_state(report["full"], model.state_dict())
 
 
 def test_resume_is_bit_identical_to_training_straight(tmp_path: Path) -> None:
     first = run_world(2, api_workers.train_world, str(tmp_path), "first")[0]
     resumed = run_world(2, api_workers.train_world, str(tmp_path), "resume")[0]
     for kind in api_workers.KINDS:  # fsdp2_late: state of parameters without a grad at the save
-        assert _same(first[f"{kind}_straight"], resumed[f"{kind}_resumed"]), kind
+        assert_same_state(first[f"{kind}_straight"], resumed[f"{kind}_resumed"], kind)
     # A plain model in one process, no process group.
     def train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> None:
         for step in steps:
@@ -109,7 +105,7 @@ def test_resume_is_bit_identical_to_training_straight(tmp_path: Path) -> None:
     fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.01)
     result = resume_from_checkpoint(tmp_path / "plain", fresh, fresh_optim)
     train(fresh, fresh_optim, range(result.user_content["step"], 6))
-    assert _same(straight.state_dict(), fresh.state_dict())
+    assert_same_state(straight.state_dict(), fresh.state_dict())
 
 
 def test_finetune_minilm_into_sharded_meta_model() -> None:
@@ -153,7 +149,7 @@ def test_retention_newest_and_an_interrupted_save(tmp_path: Path) -> None:
     assert before <= after  # nothing deleted
     fresh = api_workers.mlp(3)
     assert resume_from_checkpoint(tmp_path, fresh).tag == "step6"
-    assert _same(fresh.state_dict(), model.state_dict())
+    assert_same_state(model.state_dict(), fresh.state_dict())
 
     # A missing or stale `newest` falls back to the newest committed tag.
     (tmp_path / "newest").write_text("step1\n")
@@ -170,14 +166,14 @@ def test_full_checkpoints_both_formats_and_meta_models(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, "pt", model, partial=False, full_format="torch")
     import safetensors.torch
 
-    assert _same(safetensors.torch.load_file(str(tmp_path / "st")), model.state_dict())
-    assert _same(torch.load(tmp_path / "pt", weights_only=True), model.state_dict())
+    assert_same_state(model.state_dict(), safetensors.torch.load_file(str(tmp_path / "st")))
+    assert_same_state(model.state_dict(), torch.load(tmp_path / "pt", weights_only=True))
     assert not (tmp_path / "newest").exists()  # full checkpoints do not move `newest`
     for tag in ("st", "pt"):
         with torch.device("meta"):
             fresh = api_workers.mlp(1, blocks=2)
         result = resume_from_checkpoint(tmp_path, fresh, tag=tag, partial=False)
-        assert _same(fresh.state_dict(), model.state_dict()), tag
+        assert_same_state(model.state_dict(), fresh.state_dict(), tag)
     assert result.user_content is None and resume_from_checkpoint(
         tmp_path, api_workers.mlp(2, blocks=2), tag="st", partial=False
     ).user_content == {"note": "release"}
@@ -198,8 +194,7 @@ def test_manager_on_s3_and_async_save(moto_server) -> None:
         return client.get_object(Bucket=BUCKET, Key=f"{prefix}/newest")["Body"].read().decode().strip()
 
     with FaultProxy(moto_server.endpoint_url, slow) as proxy:
-        options = dict(moto_server.storage_options(), client_kwargs={
-            "endpoint_url": proxy.endpoint_url, "region_name": "us-east-1"})
+        options = moto_server.storage_options(endpoint_url=proxy.endpoint_url)
         manager = CheckpointManager(root, storage_options=options)
         manager.save("a", model, optim)
         assert newest() == "a"
@@ -220,7 +215,7 @@ def test_manager_on_s3_and_async_save(moto_server) -> None:
         fresh_optim = torch.optim.Adam(fresh.parameters())
         result = manager.resume(fresh, fresh_optim, tag="b")
         assert (result.tag, result.user_content) == ("b", {"step": 2})
-        assert _same(fresh.state_dict(), model.state_dict())
+        assert_same_state(model.state_dict(), fresh.state_dict())
         exported = manager.export("b")
         assert exported == f"{root}/b"
 
@@ -269,17 +264,13 @@ def test_hugging_face_folder_and_hostile_values(tmp_path: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     fresh = api_workers.mlp(1, blocks=2)
     report = dcp_ext.load_pretrained(fresh, folder)
-    assert _same(fresh.state_dict(), state) and report.missing == () and report.unexpected == ()
+    assert_same_state(state, fresh.state_dict())
+    assert report.missing == () and report.unexpected == ()
 
     marker = tmp_path / "pwned"
-
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"w": torch.ones(2), "extra": Payload()}, checkpoint_id=str(tmp_path / "evil"))
+    dcp.save({"w": torch.ones(2), "extra": RunsCode(marker)}, checkpoint_id=str(tmp_path / "evil"))
     with pytest.raises(dcp_ext.CheckpointCorruptError, match="'extra' is not plain data"):
         dcp_ext.load({"w": torch.zeros(2), "extra": None}, tmp_path / "evil")
     assert not marker.exists()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import dcp_ext
+from tests.support.damage_trials import flip_byte
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -103,9 +104,7 @@ def test_cli_damage_and_errors(tmp_path: Path) -> None:
     root = tmp_path / "root"
     dcp_ext.save_checkpoint(root, "s", torch.nn.Linear(256, 256))
     data = next((root / "s_partial").glob("model_*.distcp"))
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    flip_byte(data, data.stat().st_size // 2, 0xFF)
     bad = _run("verify", str(root / "s_partial"))
     assert bad.returncode == 1
     assert "1 problem(s)" in bad.stdout and "checksum mismatch" in bad.stdout and data.name in bad.stdout

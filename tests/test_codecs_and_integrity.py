@@ -14,7 +14,11 @@ from torch.distributed.checkpoint import FileSystemReader
 import dcp_ext
 from dcp_ext import ZstdCodec
 from dcp_ext.codecs import decode_frame, encode_frame
-from metadata_edit import sign
+from tests.support.compare import assert_same_state
+from tests.support.damage_trials import flip_byte
+from tests.support.hostile import code_running_pickle
+from tests.support.metadata_edit import sign
+from tests.support.states import zeros_like_state
 
 FRAME = 64 * 1024
 
@@ -36,20 +40,6 @@ def _state() -> dict:
     }
 
 
-def _zeros(state: dict) -> dict:
-    out = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
-    out["extra"] = {"step": 0, "name": "", "blob": b""}
-    return out
-
-
-def _assert_equal(expected: dict, actual: dict) -> None:
-    for key, value in expected.items():
-        if isinstance(value, torch.Tensor):
-            assert actual[key].dtype == value.dtype and torch.equal(actual[key], value), key
-        else:
-            assert actual[key] == value, key
-
-
 CODECS = {
     "none": None,
     "zstd": "zstd",
@@ -65,10 +55,10 @@ def test_round_trip_every_codec_and_dtype(backend, codec: str) -> None:
     state = _state()
     url, options = backend.url(), backend.storage_options
     dcp_ext.save(state, url, storage_options=options, compression=CODECS[codec], frame_size=FRAME)
-    out = _zeros(state)
+    out = zeros_like_state(state)
     reader = dcp_ext.CheckpointReader(url, storage_options=options)
     dcp.load(out, storage_reader=reader, planner=dcp_ext.LayoutLoadPlanner())
-    _assert_equal(state, out)
+    assert_same_state(state, out)
     items = json.loads(reader.store.read_file("dcp_ext.metadata.json"))["items"]
     codecs = {i["fqn"]: i.get("codec") for i in items}
     if codec == "none":
@@ -104,13 +94,13 @@ def test_compression_ratios_and_torch_interop(tmp_path: Path) -> None:
     assert sizes["none"] / sizes["zstd"] > 1.45  # measured 1.49 on these weights
     assert sizes["none"] / sizes["plain"] < 1.35  # plain zstd: about 1.28
 
-    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    out = zeros_like_state(state)
     dcp.load(out, storage_reader=FileSystemReader(str(tmp_path / "none")))
-    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert_same_state(state, out)
     assert not (tmp_path / "zstd" / ".metadata").exists()
-    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    out = zeros_like_state(state)
     dcp_ext.load(out, tmp_path / "zstd")
-    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert_same_state(state, out)
 
 
 class _MixedCodec:
@@ -134,16 +124,16 @@ def test_mixed_codecs_and_unknown_descriptor(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "mixed" / "dcp_ext.metadata.json").read_text())
     codecs = {i["fqn"]: i.get("codec") for i in doc["items"]}
     assert codecs["fp32"] == ["bytegroup.4/1", "zstd/1"] and codecs["bf16"] is None
-    out = _zeros(state)
+    out = zeros_like_state(state)
     dcp_ext.load(out, tmp_path / "mixed")
-    _assert_equal(state, out)
+    assert_same_state(state, out)
 
     for item in doc["items"]:
         if item["fqn"] == "fp32":
             item["codec"] = ["lz4/1"]
     (tmp_path / "mixed" / "dcp_ext.metadata.json").write_bytes(sign(doc))
     with pytest.raises(dcp_ext.UnsupportedCodecError, match=r"unknown codec transform 'lz4/1'"):
-        dcp_ext.load(_zeros(state), tmp_path / "mixed")
+        dcp_ext.load(zeros_like_state(state), tmp_path / "mixed")
     with pytest.raises(dcp_ext.UnsupportedCodecError, match="unknown compression 'lz4'"):
         dcp_ext.save(state, tmp_path / "other", compression="lz4")
     with pytest.raises(ValueError, match="zstd level"):
@@ -165,12 +155,6 @@ def test_frames_round_trip_and_reject_lies() -> None:
                 decode_frame(transforms, memoryview(stored), memoryview(bytearray(1000)))
 
 
-def _flip(path: Path, position: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[position] ^= 0x40
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize("codec", ["none", "zstd"])
 def test_damage_is_detected_and_named(tmp_path: Path, codec: str) -> None:
     """A flipped byte gives ChecksumMismatchError naming the file, byte range and
@@ -189,11 +173,11 @@ def test_damage_is_detected_and_named(tmp_path: Path, codec: str) -> None:
     bf16, int64 = items["bf16"], items["int64"]
     frame_len = FRAME if codec == "none" else bf16["frames"][1]
     bf16_frame2 = bf16["at"] + bf16["data_at"] + (FRAME if codec == "none" else bf16["frames"][0])
-    _flip(data, bf16_frame2 + 10)
-    _flip(data, int64["at"] + int64["data_at"] + 5)
+    flip_byte(data, bf16_frame2 + 10)
+    flip_byte(data, int64["at"] + int64["data_at"] + 5)
 
     with pytest.raises(dcp_ext.ChecksumMismatchError) as info:
-        dcp_ext.load(_zeros(state), url)
+        dcp_ext.load(zeros_like_state(state), url)
     message = str(info.value)
     assert "__0_0.distcp" in message and "fail their checksum" in message
     assert ("'bf16'" in message and "frame 2 of 3" in message and f"[{bf16_frame2}, {bf16_frame2 + frame_len})" in message) or "'int64'" in message
@@ -214,7 +198,7 @@ def test_damage_is_detected_and_named(tmp_path: Path, codec: str) -> None:
     assert torch.equal(out["fp32"], state["fp32"])
 
     if codec == "none":
-        out = _zeros(state)
+        out = zeros_like_state(state)
         dcp_ext.load(out, url, verify_checksums=False)  # the user opted out
         assert not torch.equal(out["bf16"], state["bf16"])
 
@@ -225,7 +209,7 @@ def test_damage_is_detected_and_named(tmp_path: Path, codec: str) -> None:
     truncated = [p for p in report.problems if "truncated" in p.reason]
     assert len(truncated) == 1 and truncated[0].end == size and truncated[0].keys
     with pytest.raises(dcp_ext.CheckpointCorruptError, match="shorter than the checkpoint metadata says"):
-        dcp_ext.load(_zeros(state), url)
+        dcp_ext.load(zeros_like_state(state), url)
     data.unlink()
     assert [p.reason for p in dcp_ext.verify(url).problems] == ["file is missing"]
 
@@ -252,14 +236,7 @@ def test_garbled_metadata_and_malicious_pickle(tmp_path: Path) -> None:
     evil = tmp_path / "evil"
     dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(str(evil)))
     marker = tmp_path / "code-ran"
-
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    import pickle
-
-    (evil / ".metadata").write_bytes(pickle.dumps(Payload()))
+    (evil / ".metadata").write_bytes(code_running_pickle(marker))
     for attempt in (lambda: dcp_ext.load({"w": torch.zeros(2)}, evil), lambda: dcp_ext.verify(evil)):
         with pytest.raises(dcp_ext.CheckpointCorruptError, match="refusing to unpickle"):
             attempt()

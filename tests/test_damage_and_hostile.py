@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from pathlib import Path
 
 import pytest
 import torch
 
 import dcp_ext
-from damage_trials import make_root, model, run_trials
-from metadata_edit import edit_metadata
+from tests.support.compare import assert_same_state
+from tests.support.damage_trials import flip_byte, make_root, model, run_trials
+from tests.support.hostile import code_running_pickle
+from tests.support.metadata_edit import edit_metadata
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
@@ -38,12 +39,10 @@ def test_envelope_damage_is_found_by_verify(tmp_path: Path) -> None:
     doc = json.loads((tag_dir / "dcp_ext.metadata.json").read_text())
     item = next(i for i in doc["items"] if i["data_at"] > 0)
     data = tag_dir / item["file"]
-    raw = bytearray(data.read_bytes())
-    raw[item["at"] + 40] ^= 0x55
-    data.write_bytes(bytes(raw))
+    flip_byte(data, item["at"] + 40, 0x55)
     target = model(99)
     dcp_ext.resume_from_checkpoint(root, target)
-    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), model(2).state_dict().values()))
+    assert_same_state(model(2).state_dict(), target.state_dict())
     report = dcp_ext.verify(tag_dir)
     assert [(p.file, p.keys[0].split(" ")[-1]) for p in report.problems] == [(item["file"], "envelope")]
     assert "envelope bytes differ" in report.problems[0].reason
@@ -65,13 +64,8 @@ def test_hostile_tags_and_payloads(tmp_path: Path) -> None:
     # that would run a command: refused, and the command never runs.
     dcp_ext.save_checkpoint(root, "t1", m, user_content={"step": 1})
     marker = tmp_path / "code-ran"
-
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
     user_content = next((root / "t1_partial").glob("user_content*"))
-    user_content.write_bytes(pickle.dumps(Payload()))
+    user_content.write_bytes(code_running_pickle(marker))
     with pytest.raises(dcp_ext.CheckpointCorruptError, match="user_content.safetensors"):
         dcp_ext.resume_from_checkpoint(root, model(2))
     assert not marker.exists()

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed.checkpoint as dcp
 
-import dist_workers
-from conftest import BUCKET
 from dcp_ext import CheckpointReader, CheckpointWriter
-from dist import run_world
+from tests.support import dist_workers
+from tests.support.backends import BUCKET
+from tests.support.compare import assert_same_state
+from tests.support.dist import run_world
 
 
 def test_world_of_two(tmp_path, moto_server) -> None:
@@ -43,8 +43,7 @@ def test_world_of_four_and_single_process(tmp_path, seaweedfs_server) -> None:
         seaweedfs_server.storage_options(), single,
     )
     # ...loaded into 4 FSDP2 ranks, gathered back: identical.
-    for key, value in plain.state_dict().items():
-        assert torch.equal(reports[0]["from_single"][key], value), key
+    assert_same_state(plain.state_dict(), reports[0]["from_single"], "from_single")
     for path_index in range(2):
         total = reports[0]["total_bytes"][path_index]
         per_rank = [r["bytes_read"][path_index] for r in reports]
@@ -54,8 +53,7 @@ def test_world_of_four_and_single_process(tmp_path, seaweedfs_server) -> None:
     fresh = dist_workers.make_model(seed=123)
     state = fresh.state_dict()
     dcp.load({"model": state}, storage_reader=CheckpointReader(str(tmp_path / "fsdp4")))
-    for key, value in reports[0]["full_saved"].items():
-        assert torch.equal(state[key], value), key
+    assert_same_state(reports[0]["full_saved"], state, "4-rank checkpoint in one process")
 
 
 def test_world_of_one(tmp_path) -> None:

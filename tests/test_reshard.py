@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import dcp_ext
-import reshard_workers
-from dist import run_world
-from reshard_workers import SMALL_FRAME
-from metadata_edit import sign
+from tests.support import reshard_workers
+from tests.support.dist import run_world
+from tests.support.metadata_edit import sign
+from tests.support.reshard_workers import SMALL_FRAME
 
 
 def test_resharding_matrix(tmp_path: Path) -> None:

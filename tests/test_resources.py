@@ -10,16 +10,19 @@ from pathlib import Path
 
 import pytest
 
-JOB = str(Path(__file__).resolve().parent / "resource_job.py")
+from tests.support import REPO
+
+#: tests/support/resource_job.py, run as a module from the repository root.
+JOB = [sys.executable, "-m", "tests.support.resource_job"]
 
 
 @pytest.mark.parametrize("kind", ["local", "moto"])
 def test_repeated_saves_do_not_grow(kind: str, tmp_path: Path, make_backend) -> None:
     backend = make_backend(kind)
-    args = [sys.executable, JOB, backend.url("res")]
+    args = [*JOB, backend.url("res")]
     if backend.storage_options:
         args.append(json.dumps(backend.storage_options))
-    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert result.returncode == 0 and lines, result.stdout + result.stderr
     data = json.loads(lines[0].removeprefix("RESULT "))

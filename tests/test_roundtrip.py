@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
 
 import pytest
 import torch
@@ -14,8 +13,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 import dcp_ext
-from conftest import Backend
 from dcp_ext import CheckpointReader, CheckpointWriter
+from tests.support.backends import Backend
+from tests.support.compare import assert_same_state
+from tests.support.hostile import code_running_pickle
+from tests.support.states import zeros_like_state
 
 MiB = 1024 * 1024
 
@@ -38,44 +40,14 @@ def _sample_state() -> dict:
     }
 
 
-def _zeros_like_state(state: dict) -> dict:
-    out: dict = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            out[key] = torch.zeros(value.shape, dtype=value.dtype)
-        elif isinstance(value, dict):
-            out[key] = _zeros_like_state(value)
-        elif isinstance(value, io.BytesIO):
-            out[key] = io.BytesIO()
-        else:
-            out[key] = type(value)() if not isinstance(value, list) else []
-    return out
-
-
-def _assert_same(expected: dict, actual: dict, path: str = "") -> None:
-    assert set(expected) == set(actual), path
-    for key, value in expected.items():
-        got = actual[key]
-        where = f"{path}.{key}"
-        if isinstance(value, torch.Tensor):
-            assert got.dtype == value.dtype and got.shape == value.shape, where
-            assert torch.equal(got, value), where
-        elif isinstance(value, dict):
-            _assert_same(value, got, where)
-        elif isinstance(value, io.BytesIO):
-            assert got.getvalue() == value.getvalue(), where
-        else:
-            assert got == value, where
-
-
 def test_round_trip_every_dtype_and_value(backend: Backend) -> None:
     url = backend.url()
     state = _sample_state()
     dcp.save(state, storage_writer=CheckpointWriter(url, storage_options=backend.storage_options))
-    loaded = _zeros_like_state(state)
+    loaded = zeros_like_state(state)
     reader = CheckpointReader(url, storage_options=backend.storage_options)
     dcp.load(loaded, storage_reader=reader)
-    _assert_same(state, loaded)
+    assert_same_state(state, loaded)
     # Everything came from the one data file, in very few requests.
     snap = reader.store.stats.snapshot()
     assert snap.files_read == frozenset({"__0_0.distcp"})
@@ -92,9 +64,9 @@ def test_checkpoint_id_and_async_save(backend: Backend) -> None:
     future.result(timeout=120)
     reader = CheckpointReader(first, storage_options=backend.storage_options)
     for url in (first, second):
-        loaded = _zeros_like_state(state)
+        loaded = zeros_like_state(state)
         dcp.load(loaded, storage_reader=reader, checkpoint_id=url)
-        _assert_same(state, loaded)
+        assert_same_state(state, loaded)
 
 
 def test_loads_only_the_bytes_it_needs(make_backend) -> None:
@@ -164,23 +136,23 @@ def test_interop_with_torch_writers_and_readers(make_backend) -> None:
         # dcp_ext writes -> torch reads.
         ours = backend.url("ours")
         dcp.save(state, storage_writer=CheckpointWriter(ours, storage_options=opts))
-        loaded = _zeros_like_state(state)
+        loaded = zeros_like_state(state)
         torch_reader = FileSystemReader(ours) if kind == "local" else FsspecReader(ours, **opts)
         dcp.load(loaded, storage_reader=torch_reader)
-        _assert_same(state, loaded)
+        assert_same_state(state, loaded)
         # torch writes -> dcp_ext reads.
         theirs = backend.url("theirs")
         torch_writer = FileSystemWriter(theirs) if kind == "local" else FsspecWriter(theirs, **opts)
         dcp.save(flat, storage_writer=torch_writer)
-        loaded = _zeros_like_state(flat)
+        loaded = zeros_like_state(flat)
         dcp.load(loaded, storage_reader=CheckpointReader(theirs, storage_options=opts))
-        _assert_same(flat, loaded)
+        assert_same_state(flat, loaded)
     # And with torch's own FsspecReader on memory://.
     url = "memory://interop/ck"
     dcp.save(flat, storage_writer=CheckpointWriter(url))
-    loaded = _zeros_like_state(flat)
+    loaded = zeros_like_state(flat)
     dcp.load(loaded, storage_reader=FsspecReader(url))
-    _assert_same(flat, loaded)
+    assert_same_state(flat, loaded)
 
 
 def test_metadata_is_json_and_written_last(tmp_path) -> None:
@@ -225,12 +197,7 @@ def test_restricted_unpickler_refuses_code(tmp_path) -> None:
     url = tmp_path / "evil"
     dcp.save({"a": torch.ones(2)}, storage_writer=FileSystemWriter(str(url)))
     marker = tmp_path / "pwned"
-
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    (url / ".metadata").write_bytes(pickle.dumps(Payload()))
+    (url / ".metadata").write_bytes(code_running_pickle(marker))
     with pytest.raises(dcp_ext.CheckpointCorruptError, match="posix.system|os.system"):
         dcp_ext.load({"a": torch.zeros(2)}, url)
     assert not marker.exists()

@@ -15,32 +15,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_ext
-from conftest import BUCKET
 from dcp_ext import CheckpointReader, IOConfig, RetryPolicy
-from fault_proxy import FaultPlan, FaultProxy
-from metadata_edit import sign
-from s3_servers import SEAWEEDFS_READONLY_ACCESS_KEY, SEAWEEDFS_READONLY_SECRET_KEY
+from tests.support.backends import BUCKET
+from tests.support.fault_proxy import FaultPlan, FaultProxy
+from tests.support.metadata_edit import sign
+from tests.support.s3_servers import SEAWEEDFS_READONLY_ACCESS_KEY, SEAWEEDFS_READONLY_SECRET_KEY
+from tests.support.states import zeros_like_state
 
 MiB = 1024 * 1024
 FAST_RETRY = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05)
 
 
-def _options(endpoint: str, key: str = "testing", secret: str = "testing") -> dict:
-    return {
-        "key": key,
-        "secret": secret,
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "config_kwargs": {"s3": {"addressing_style": "path"}},
-    }
-
-
 def _state() -> dict:
     g = torch.Generator().manual_seed(1)
     return {f"w{i}": torch.randn(1024, 1024 + i, generator=g) for i in range(6)} | {"step": 3}
-
-
-def _empty(state: dict) -> dict:
-    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
 
 
 def _is_upload_part(method: str, path: str) -> bool:
@@ -53,10 +41,10 @@ def test_transient_faults_are_retried_and_data_is_exact(moto_server) -> None:
     config = IOConfig(part_size=5 * MiB, read_request_size=2 * MiB, max_concurrency=4, retry=FAST_RETRY)
     plan = FaultPlan(rate=0.2, faults=("slowdown", "internal", "reset", "truncate", "delay"), delay=0.3, seed=21)
     with FaultProxy(moto_server.endpoint_url, plan) as proxy:
-        options = _options(proxy.endpoint_url)
+        options = moto_server.storage_options(endpoint_url=proxy.endpoint_url)
         dcp_ext.save(state, url, storage_options=options, config=config)
         save_faults = len(proxy.faults())
-        loaded = _empty(state)
+        loaded = zeros_like_state(state)
         dcp_ext.load(loaded, url, storage_options=options, config=config)
         faults = proxy.faults()
         kinds = {f.fault for f in faults}
@@ -79,9 +67,10 @@ def test_retries_are_bounded_and_a_failed_upload_is_aborted(moto_server) -> None
     config = IOConfig(part_size=5 * MiB, max_concurrency=2, retry=policy)
     plan = FaultPlan(rate=1.0, faults=("slowdown",), match=_is_upload_part)
     with FaultProxy(moto_server.endpoint_url, plan) as proxy:
+        options = moto_server.storage_options(endpoint_url=proxy.endpoint_url)
         start = time.monotonic()
         with pytest.raises(dcp_ext.StorageError, match="SlowDown") as info:
-            dcp_ext.save({"w": torch.randn(3 * MiB)}, url, storage_options=_options(proxy.endpoint_url), config=config)
+            dcp_ext.save({"w": torch.randn(3 * MiB)}, url, storage_options=options, config=config)
         elapsed = time.monotonic() - start
         attempts: dict[str, int] = {}
         for entry in proxy.log:
@@ -135,7 +124,7 @@ def test_s3_access_errors_are_clear(seaweedfs_server) -> None:
     with pytest.raises(dcp_ext.CheckpointNotFoundError, match="does not exist"):
         dcp_ext.load({"w": torch.zeros(4)}, url + "-missing", storage_options=good)
 
-    unreachable = _options("http://127.0.0.1:9")  # discard port: nothing listens
+    unreachable = seaweedfs_server.storage_options(endpoint_url="http://127.0.0.1:9")  # discard port: nothing listens
     start = time.monotonic()
     with pytest.raises(dcp_ext.StorageError, match="endpoint_url"):
         dcp_ext.load({"w": torch.zeros(4)}, url, storage_options=unreachable, config=retry)
@@ -212,14 +201,14 @@ def test_one_rank_failing_fails_every_rank_promptly(moto_server) -> None:
     """Rank 1's endpoint answers every upload with 503 SlowDown: both ranks
     fail within seconds (not at the collective timeout) with the same error,
     no metadata and no ``newest`` are written, and no multipart upload stays."""
-    from dist import run_world
-    import dist_workers
+    from tests.support import dist_workers
+    from tests.support.dist import run_world
 
     prefix = f"onerank-{uuid.uuid4().hex[:8]}"
     root = f"s3://{BUCKET}/{prefix}"
     plan = FaultPlan(rate=1.0, faults=("slowdown",), match=lambda method, path: method in ("PUT", "POST"))
     with FaultProxy(moto_server.endpoint_url, plan) as proxy:
-        options = [_options(moto_server.endpoint_url), _options(proxy.endpoint_url)]
+        options = [moto_server.storage_options(), moto_server.storage_options(endpoint_url=proxy.endpoint_url)]
         results = run_world(2, dist_workers.faulty_rank_world, root, options, timeout=120)
         injected = len(proxy.faults())
     print(results, injected)

@@ -1,20 +1,15 @@
-"""Prove that the real S3 servers from ``tests/s3_servers.py`` work end to end."""
+"""Prove that the real S3 servers from ``tests/support/s3_servers.py`` work end to end."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
-# tests/ is not a package; make the helper importable under any import mode.
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from s3_servers import S3Server, start_moto, start_seaweedfs  # noqa: E402
+from tests.support.s3_servers import S3Server, start_moto, start_seaweedfs
 
 MiB = 1024 * 1024
 PART_SIZE = 5 * MiB  # S3's minimum size for all but the last part

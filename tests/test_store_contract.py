@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from conftest import Backend
 from dcp_ext._ranges import Piece, plan_requests
 from dcp_ext.config import IOConfig
 from dcp_ext.errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
 from dcp_ext.storage import Store, open_store
-from dcp_ext.storage.local import TMP_MARK
+from dcp_ext.storage import TMP_MARK
+from tests.support.backends import Backend
 
 MiB = 1024 * 1024
 CONFIG = IOConfig(part_size=5 * MiB, max_concurrency=3, read_request_size=1 * MiB)

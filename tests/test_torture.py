@@ -1,11 +1,11 @@
 """Crash consistency: real 2-rank saves killed at every crash point and at a
-random moment (see crash_torture.py; ``python -m bench.torture`` runs hundreds)."""
+random moment (see support/crash_torture.py; ``python -m bench.torture`` runs hundreds)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from crash_torture import run_trials
+from tests.support.crash_torture import run_trials
 
 
 def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from ..config import IOConfig
-from ._base import IOStats, IOStatsSnapshot, ObjectWriter, Store
+from ._base import TMP_MARK, IncompleteUpload, IOStats, IOStatsSnapshot, ObjectWriter, Store
 from .fsspec_store import FsspecStore
 from .local import LocalStore
 from ._s3_client import clear_client_cache
@@ -22,6 +22,8 @@ __all__ = [
     "ObjectWriter",
     "IOStats",
     "IOStatsSnapshot",
+    "IncompleteUpload",
+    "TMP_MARK",
     "LocalStore",
     "S3Store",
     "FsspecStore",

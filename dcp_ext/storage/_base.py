@@ -25,7 +25,31 @@ from .._ranges import ReadRequest
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError
 
-__all__ = ["Store", "ObjectWriter", "IOStats", "IOStatsSnapshot", "scatter", "request_views"]
+__all__ = [
+    "Store", "ObjectWriter", "IOStats", "IOStatsSnapshot", "IncompleteUpload", "TMP_MARK", "scatter",
+    "request_views",
+]
+
+#: Marks temporary files (a write in progress, or left by a crash); a name
+#: containing it is never a committed file. Every backend names its
+#: temporaries ``{final name}{TMP_MARK}{random}``; cleanup deletes them.
+TMP_MARK = ".dcp_ext-tmp-"
+
+
+@dataclass(frozen=True)
+class IncompleteUpload:
+    """A multipart upload that was started and never completed or aborted
+    (object stores only): invisible, but its parts are stored and billed.
+
+    Attributes:
+        name: The object's name relative to the store's root (may contain ``/``).
+        upload_id: The storage's id of the upload.
+        initiated: When it started (seconds since the epoch).
+    """
+
+    name: str
+    upload_id: str
+    initiated: float
 
 
 @dataclass(frozen=True)
@@ -196,17 +220,39 @@ class Store(ABC):
         """Atomically publish a small file: readers see the old or the new one."""
 
     def create_exclusive(self, name: str, data: bytes) -> bool:
-        """Create small file ``name`` only if it does not exist; False if it does.
+        """Create small file ``name`` with content ``data`` only if it does not
+        exist; ``False`` if it does.
 
-        Atomic where the storage supports it (local and shared POSIX file
-        systems: ``O_EXCL``; S3: a conditional ``If-None-Match: *`` PUT);
-        elsewhere (generic fsspec) a check then a write, which a concurrent
-        writer can race.
+        Of concurrent callers exactly one gets ``True``, and the file appears
+        with all of ``data`` at once: nobody ever reads it empty or partial.
+        Local and shared POSIX file systems write a temporary file and
+        ``link`` it into place; S3 uses a conditional ``If-None-Match: *``
+        PUT. This default (other fsspec file systems) is a check then a
+        write, which concurrent callers can race; backends override it with
+        the best their storage offers.
         """
         if self.exists(name):
             return False
         self.write_file(name, data)
         return True
+
+    def modified(self, name: str) -> float | None:
+        """When file ``name`` last changed (seconds since the epoch), or ``None``
+        if the storage does not say.
+
+        Raises:
+            FileNotFoundError: (a dcp_ext subclass) ``name`` does not exist.
+        """
+        return None
+
+    def list_incomplete_uploads(self) -> list[IncompleteUpload]:
+        """Multipart uploads under the root that never completed (object stores;
+        other storage has none)."""
+        return []
+
+    def abort_upload(self, upload: IncompleteUpload) -> None:
+        """Abort ``upload`` and free its stored parts."""
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads to abort")
 
     # -- data files -------------------------------------------------------
     @abstractmethod

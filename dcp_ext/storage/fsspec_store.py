@@ -25,8 +25,7 @@ from ..errors import (
     StoragePermissionError,
     TransientStorageError,
 )
-from ._base import ObjectWriter, Store, scatter
-from .local import TMP_MARK
+from ._base import TMP_MARK, ObjectWriter, Store, scatter
 
 __all__ = ["FsspecStore"]
 
@@ -143,6 +142,30 @@ class FsspecStore(Store):
                 self.fs.mv(tmp, self.path(name))
         except Exception as err:
             raise _translate(err, self.describe(name), "writing") from err
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        # fsspec's ``pipe_file(mode="create")`` is as atomic as the backend
+        # makes it (a conditional PUT on object stores that support one, an
+        # exclusive create on local files); backends without it get the base
+        # class's check-then-write, which concurrent callers can race.
+        try:
+            self.fs.pipe_file(self.path(name), bytes(data), mode="create")
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError):
+            return super().create_exclusive(name, data)
+        except Exception as err:
+            raise _translate(err, self.describe(name), "creating") from err
+        return True
+
+    def modified(self, name: str) -> float | None:
+        try:
+            stamp = self.fs.modified(self.path(name))
+        except FileNotFoundError as err:
+            raise _translate(err, self.describe(name), "checking") from err
+        except Exception:
+            return None  # the file system does not record it
+        return float(stamp.timestamp()) if hasattr(stamp, "timestamp") else None
 
     # -- data files -----------------------------------------------------------
     def open_writer(self, name: str, size_hint: int | None = None) -> ObjectWriter:

@@ -30,12 +30,9 @@ from ..errors import (
     StorageError,
     StoragePermissionError,
 )
-from ._base import ObjectWriter, Store, request_views, scatter
+from ._base import TMP_MARK, ObjectWriter, Store, request_views, scatter
 
-__all__ = ["LocalStore", "TMP_MARK"]
-
-#: Marks temporary files; a name containing it is never a committed file.
-TMP_MARK = ".dcp_ext-tmp-"
+__all__ = ["LocalStore"]
 
 # Writes smaller than this are gathered into one buffer (headers, small
 # tensors); larger ones go straight from tensor memory to the kernel.
@@ -278,20 +275,42 @@ class LocalStore(Store):
             writer.commit()
 
     def create_exclusive(self, name: str, data: bytes) -> bool:
+        # The content is complete and durable under a temporary name before
+        # link() makes it visible: link fails if the name exists and is
+        # atomic on local file systems and on NFS/Lustre, unlike O_EXCL
+        # followed by a write (a reader in between sees an empty file).
         path = self._path(name)
+        tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except FileExistsError:
-            return False
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                view = memoryview(data)
+                while view.nbytes:
+                    view = view[os.write(fd, view):]
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            if self.config.fsync:
+                _fsync_dir(path.parent)
+            return True
         except OSError as err:
             raise translate_os_error(err, self.describe(name), "creating") from err
-        try:
-            os.write(fd, data)
-            if self.config.fsync:
-                os.fsync(fd)
         finally:
-            os.close(fd)
-        return True
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass  # never created, or already gone: a temporary name is never read
+
+    def modified(self, name: str) -> float | None:
+        try:
+            return self._path(name).stat().st_mtime
+        except OSError as err:
+            raise translate_os_error(err, self.describe(name), "checking") from err
 
     # -- data files -----------------------------------------------------------
     def open_writer(self, name: str, size_hint: int | None = None) -> ObjectWriter:

@@ -38,7 +38,7 @@ from ..errors import (
     StoragePermissionError,
     TransientStorageError,
 )
-from ._base import ObjectWriter, Store, request_views, scatter
+from ._base import IncompleteUpload, ObjectWriter, Store, request_views, scatter
 from ._s3_client import (
     S3Connection,
     _client_error_parts,
@@ -460,6 +460,37 @@ class S3Store(Store):
     def size(self, name: str) -> int:
         head = self.call("head_object", "checking", self.key(name), **self.connection.read_params)
         return int(head["ContentLength"])
+
+    def modified(self, name: str) -> float | None:
+        head = self.call("head_object", "checking", self.key(name), **self.connection.read_params)
+        stamp = head.get("LastModified")
+        return stamp.timestamp() if stamp is not None else None
+
+    def list_incomplete_uploads(self) -> list[IncompleteUpload]:
+        self._check_bucket()
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        uploads: list[IncompleteUpload] = []
+        markers: dict[str, Any] = {}
+        while True:
+            response = self.call("list_multipart_uploads", "listing uploads under", Prefix=prefix,
+                                 **markers, **self.connection.list_params)
+            for upload in response.get("Uploads", []):
+                started = upload.get("Initiated")
+                uploads.append(IncompleteUpload(
+                    upload["Key"][len(prefix):], upload["UploadId"],
+                    started.timestamp() if started is not None else 0.0,
+                ))
+            if not response.get("IsTruncated"):
+                return uploads
+            markers = {"KeyMarker": response.get("NextKeyMarker", ""),
+                       "UploadIdMarker": response.get("NextUploadIdMarker", "")}
+
+    def abort_upload(self, upload: IncompleteUpload) -> None:
+        try:
+            self.call("abort_multipart_upload", "aborting upload of", self.key(upload.name),
+                      UploadId=upload.upload_id, **self.connection.list_params)
+        except CheckpointNotFoundError:
+            pass  # completed or aborted meanwhile
 
     def remove_root_if_empty(self) -> None:
         pass  # prefixes vanish with their last object

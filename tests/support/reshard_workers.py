@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dcp_ext
 from dcp_ext import CheckpointManager, CheckpointReader, IOConfig, LayoutLoadPlanner
+from tests.support.compare import state_diff
 
 # Frames of the "big" checkpoints: 16 rows of a 512-column fp32 tensor.
 SMALL_FRAME = 32 * 1024
@@ -105,23 +106,6 @@ def save_world(rank: int, world_size: int, root: str) -> None:
             torch.save(ref, f"{root}/big4.ref.pt")
 
 
-def diff(expected: Any, actual: Any, path: str = "") -> list[str]:
-    """Paths where two nested states differ (tensors compared bit for bit)."""
-    if isinstance(expected, dict):
-        if not isinstance(actual, dict) or expected.keys() != actual.keys():
-            return [f"{path}: keys {sorted(expected) if isinstance(expected, dict) else expected} != "
-                    f"{sorted(actual) if isinstance(actual, dict) else actual}"]
-        return [d for k in expected for d in diff(expected[k], actual[k], f"{path}/{k}")]
-    if isinstance(expected, (list, tuple)):
-        if len(expected) != len(actual):
-            return [f"{path}: length {len(expected)} != {len(actual)}"]
-        return [d for i, (a, b) in enumerate(zip(expected, actual)) for d in diff(a, b, f"{path}/{i}")]
-    if isinstance(expected, torch.Tensor):
-        ok = isinstance(actual, torch.Tensor) and expected.dtype == actual.dtype and torch.equal(expected, actual)
-        return [] if ok else [f"{path}: tensors differ"]
-    return [] if expected == actual else [f"{path}: {expected!r} != {actual!r}"]
-
-
 def load_case(root: str, source: str, kind: str, via: str) -> list[str]:
     """Load checkpoint ``source`` into a fresh ``kind`` model + Adam; return differences."""
     model = build(kind, 7)
@@ -138,7 +122,7 @@ def load_case(root: str, source: str, kind: str, via: str) -> list[str]:
     got = full_state(model, optim)
     if dist.is_initialized() and dist.get_rank() != 0:
         return []
-    return diff(torch.load(f"{root}/{source}.ref.pt", weights_only=False), got)
+    return state_diff(torch.load(f"{root}/{source}.ref.pt", weights_only=False), got)
 
 
 CASES: dict[int, list[tuple[str, str, str]]] = {
@@ -188,7 +172,7 @@ def load_world(rank: int, world_size: int, root: str) -> dict[str, Any]:
                     "stored": sum(i.data_length for i in meta.storage_data.values()),
                     "raw": sum(i.raw_size for i in meta.storage_data.values()),
                     "frames": sum(len(i.checksums) for i in meta.storage_data.values()),
-                    "diff": diff(torch.load(f"{root}/big4.ref.pt", weights_only=False), got)
+                    "diff": state_diff(torch.load(f"{root}/big4.ref.pt", weights_only=False), got)
                     if rank == 0 else [],
                 }
     if world_size == 4:

@@ -89,7 +89,9 @@ def run_world(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
 
-    Also used by ``bench/`` (which puts ``tests/`` on ``sys.path``).
+    ``fn`` must be importable by its module's name in a fresh interpreter
+    (spawned ranks unpickle it), e.g. ``tests.support.dist_workers.two_rank_suite``.
+    Also used by ``bench/`` (``from tests.support.dist import run_world``).
 
     Returns:
         ``fn``'s return values, indexed by rank (they must pickle).

@@ -1,6 +1,6 @@
 """Crash-consistency trials: kill real 2-rank saves and check what is left.
 
-Each trial runs ``tests/crash_job.py`` (a real 2-process gloo job saving
+Each trial runs ``tests/support/crash_job.py`` (a real 2-process gloo job saving
 ``step{N}`` through ``CheckpointManager``, keep 2) and kills it at a named
 crash point on one rank or all ranks, or at a random moment, or not at all.
 Then, in this process (one process, no process group: a resharded load):
@@ -29,15 +29,15 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dcp_ext
+from dcp_ext._failpoints import POINTS
+from dcp_ext.storage import TMP_MARK
+from tests.support import REPO
+from tests.support.compare import state_diff
+from tests.support.crash_job import KEEP, make_model
 
-from crash_job import KEEP, make_model  # noqa: E402
-
-import dcp_ext  # noqa: E402
-from dcp_ext._failpoints import POINTS  # noqa: E402
-from dcp_ext.storage.local import TMP_MARK  # noqa: E402
-
-JOB = str(Path(__file__).resolve().parent / "crash_job.py")
+#: The job, run as a module from the repository root.
+JOB = [sys.executable, "-m", "tests.support.crash_job"]
 
 
 @dataclass
@@ -68,11 +68,8 @@ def _check_tag(manager: dcp_ext.CheckpointManager, tag: str) -> str | None:
         return f"{tag}: load failed: {type(err).__name__}: {err}"
     if result.user_content != {"step": step}:
         return f"{tag}: user_content {result.user_content!r}"
-    expected = _expected(step)
-    for key, value in model.state_dict().items():
-        if not torch.equal(value, expected[key]):
-            return f"{tag}: {key} differs"
-    return None
+    diffs = state_diff(_expected(step), model.state_dict())
+    return f"{tag}: " + "; ".join(diffs) if diffs else None
 
 
 def _leftovers(root: Path) -> list[str]:
@@ -109,7 +106,7 @@ def run_trials(root: Path, trials: int, seed: int = 0, crashes: list[str] | None
         tag = f"step{step}"
         before = manager.tags()
         started = time.monotonic()
-        job = subprocess.Popen([sys.executable, JOB, str(root), str(step), crash],
+        job = subprocess.Popen([*JOB, str(Path(root).resolve()), str(step), crash], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         try:
             _, err = job.communicate(timeout=180)

@@ -1,6 +1,7 @@
 """Repeated saves in one process (run by test_resources.py in a fresh interpreter).
 
-``python tests/resource_job.py ROOT [STORAGE_OPTIONS_JSON]`` saves a 32 MiB model
+``python -m tests.support.resource_job ROOT [STORAGE_OPTIONS_JSON]`` (from the
+repository root) saves a 32 MiB model
 20 times through ``CheckpointManager`` (alternating synchronous and
 asynchronous saves, keep 2) and loads the newest after each, then prints one
 JSON line: peak RSS (ru_maxrss), open file descriptors, OS threads and Python
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 import dcp_ext
+from tests.support.compare import assert_same_state
 
 
 def snapshot() -> dict[str, int]:
@@ -55,7 +57,7 @@ def main() -> None:
         manager.wait()
         probe = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
         manager.resume(probe)
-        assert all(torch.equal(a, b) for a, b in zip(probe.parameters(), model.parameters()))
+        assert_same_state(model.state_dict(), probe.state_dict(), f"round {n}")
         out.setdefault("peaks", []).append(snapshot()["peak_rss_kib"] // 1024)
         out.setdefault("rss", []).append(snapshot()["rss_kib"] // 1024)
         if n in (1, 2, 20):

@@ -23,6 +23,7 @@ violation.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import warnings
@@ -33,8 +34,18 @@ import torch
 from torch import nn
 
 import dcp_ext
+from tests.support.compare import same_state
 
 KINDS = ("flip", "truncate", "delete_shard", "delete_metadata", "garble_metadata", "stale_newest")
+
+
+def flip_byte(path: str | os.PathLike[str], position: int, mask: int = 0x40) -> None:
+    """Xor ``mask`` (nonzero) into the byte of file ``path`` at ``position``."""
+    with open(path, "r+b") as f:
+        f.seek(position)
+        (byte,) = f.read(1)
+        f.seek(position)
+        f.write(bytes([byte ^ mask]))
 
 
 def model(step: int) -> nn.Module:
@@ -65,15 +76,14 @@ def _damage(tag_dir: Path, root: Path, kind: str, rng: random.Random) -> str:
     meta = tag_dir / "dcp_ext.metadata.json"
     if kind in ("flip", "truncate", "delete_shard"):
         target = rng.choice(data)
-        raw = bytearray(target.read_bytes())
+        size = target.stat().st_size
         if kind == "flip":
-            pos = rng.randrange(len(raw))
-            raw[pos] ^= rng.randrange(1, 256)
-            target.write_bytes(bytes(raw))
+            pos = rng.randrange(size)
+            flip_byte(target, pos, rng.randrange(1, 256))
             return f"{target.name}@{pos}"
         if kind == "truncate":
-            cut = rng.randrange(len(raw))
-            target.write_bytes(bytes(raw[:cut]))
+            cut = rng.randrange(size)
+            target.write_bytes(target.read_bytes()[:cut])
             return f"{target.name}[:{cut}]"
         target.unlink()
         return target.name
@@ -81,17 +91,11 @@ def _damage(tag_dir: Path, root: Path, kind: str, rng: random.Random) -> str:
         meta.unlink()
         return meta.name
     if kind == "garble_metadata":
-        raw = bytearray(meta.read_bytes())
-        pos = rng.randrange(len(raw))
-        raw[pos] ^= rng.randrange(1, 256)
-        meta.write_bytes(bytes(raw))
+        pos = rng.randrange(meta.stat().st_size)
+        flip_byte(meta, pos, rng.randrange(1, 256))
         return f"{meta.name}@{pos}"
     (root / "newest").write_text("step9\n")
     return "newest -> step9"
-
-
-def _equal(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
 def run_trials(base: Path, work: Path, trials: int, seed: int = 0) -> DamageStats:
@@ -115,7 +119,7 @@ def run_trials(base: Path, work: Path, trials: int, seed: int = 0) -> DamageStat
             else:
                 warned = [w for w in caught if "newest" in str(w.message)]
                 expected = model(result.user_content["step"])
-                if not _equal(target, expected):
+                if not same_state(expected.state_dict(), target.state_dict()):
                     stats.violations.append(f"trial {trial} {kind} {what}: WRONG DATA from {result.tag}")
                 elif warned:
                     outcome = f"warned, loaded the newest committed tag ({result.tag})"

@@ -10,10 +10,13 @@ Two backends are supported, both started as subprocesses on free ports:
 
 Both return an :class:`S3Server` that knows its endpoint and credentials, can
 build boto3 clients and s3fs ``storage_options``, and terminates its process
-on :meth:`S3Server.stop` (or when used as a context manager).
+on :meth:`S3Server.stop` (or when used as a context manager). :func:`serving`
+starts either kind with a bucket in it and always stops it again (the
+session fixtures in ``tests/conftest.py``).
 
 This module is deliberately self-contained (no imports from ``dcp_ext``) so it
-can be used from tests, conftest.py and benchmark scripts alike.
+can be used from tests, conftest.py and benchmark scripts
+(``from tests.support.s3_servers import start_seaweedfs``) alike.
 
 Isolation from real AWS: the server subprocesses get a clean environment (no
 inherited ``AWS_*`` variables, ``HOME``/``TMPDIR`` inside their own
@@ -54,6 +57,8 @@ __all__ = [
     "S3ServerError",
     "find_weed_binary",
     "isolated_aws_env",
+    "s3_options",
+    "serving",
     "start_moto",
     "start_seaweedfs",
 ]
@@ -131,21 +136,10 @@ class S3Server:
         """Whether the server process is still alive."""
         return self.process.poll() is None
 
-    def storage_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``s3fs.S3FileSystem`` targeting this server.
-
-        Path-style addressing is forced (``config_kwargs``) because there is
-        no DNS for ``<bucket>.127.0.0.1``.
-        """
-        return {
-            "key": self.access_key,
-            "secret": self.secret_key,
-            "client_kwargs": {
-                "endpoint_url": self.endpoint_url,
-                "region_name": self.region,
-            },
-            "config_kwargs": {"s3": {"addressing_style": "path"}},
-        }
+    def storage_options(self, endpoint_url: str | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``s3fs.S3FileSystem`` targeting this server,
+        or with its credentials, ``endpoint_url`` (a proxy in front of it)."""
+        return s3_options(endpoint_url or self.endpoint_url, self.access_key, self.secret_key, self.region)
 
     def boto3_client(self, **config_kwargs: Any) -> S3Client:
         """Return a boto3 S3 client for this server.
@@ -177,19 +171,42 @@ class S3Server:
         Reaps the process, removes stray socket files it may leave behind and
         deletes the scratch directory if this object created it. Idempotent.
         """
-        _terminate(self.process, grace_seconds)
+        _release(self.process, grace_seconds, self._cleanup_files, self._owned_dir)
         _LIVE_SERVERS.discard(self)
-        for path in self._cleanup_files:
-            with contextlib.suppress(OSError):
-                path.unlink()
-        if self._owned_dir is not None:
-            shutil.rmtree(self._owned_dir, ignore_errors=True)
 
     def __enter__(self) -> S3Server:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def s3_options(endpoint_url: str, access_key: str, secret_key: str, region: str = REGION) -> dict[str, Any]:
+    """Keyword arguments for ``s3fs.S3FileSystem`` (dcp_ext's ``storage_options``).
+
+    Path-style addressing is forced (``config_kwargs``) because there is
+    no DNS for ``<bucket>.127.0.0.1``.
+    """
+    return {
+        "key": access_key,
+        "secret": secret_key,
+        "client_kwargs": {"endpoint_url": endpoint_url, "region_name": region},
+        "config_kwargs": {"s3": {"addressing_style": "path"}},
+    }
+
+
+@contextlib.contextmanager
+def serving(kind: str, directory: str | os.PathLike[str], bucket: str | None = None) -> Iterator[S3Server]:
+    """Start a ``kind`` server ("moto" or "seaweedfs") in ``directory``, create
+    ``bucket`` in it, and stop it on exit, also when creating the bucket fails."""
+    starts = {"moto": start_moto, "seaweedfs": start_seaweedfs}
+    server = starts[kind](directory)
+    try:
+        if bucket is not None:
+            server.create_bucket(bucket)
+        yield server
+    finally:
+        server.stop()
 
 
 # --------------------------------------------------------------------------
@@ -254,25 +271,10 @@ def start_moto(tmp_dir: str | os.PathLike[str] | None = None) -> S3Server:
             _check_alive_and_time(process, "moto", log_path, deadline)
             time.sleep(0.05)
     except BaseException:
-        _terminate(process, 1.0)
-        if owned_dir is not None:
-            shutil.rmtree(owned_dir, ignore_errors=True)
+        _release(process, 1.0, owned_dir=owned_dir)
         raise
-
-    server = S3Server(
-        name="moto",
-        endpoint_url=endpoint,
-        access_key=MOTO_ACCESS_KEY,
-        secret_key=MOTO_SECRET_KEY,
-        region=REGION,
-        process=process,
-        log_path=log_path,
-        data_dir=work_dir,
-        startup_seconds=time.monotonic() - t0,
-        _owned_dir=owned_dir,
-    )
-    _LIVE_SERVERS.add(server)
-    return server
+    return _running("moto", endpoint, (MOTO_ACCESS_KEY, MOTO_SECRET_KEY), process, log_path, work_dir, t0,
+                    _owned_dir=owned_dir)
 
 
 # --------------------------------------------------------------------------
@@ -435,26 +437,10 @@ def _start_seaweedfs_once(
     try:
         _wait_seaweedfs_ready(process, endpoint, log_path, t0 + SEAWEEDFS_START_TIMEOUT)
     except BaseException:
-        _terminate(process, 2.0)
-        for path in cleanup:
-            with contextlib.suppress(OSError):
-                path.unlink()
+        _release(process, 2.0, cleanup)
         raise
-
-    server = S3Server(
-        name="seaweedfs",
-        endpoint_url=endpoint,
-        access_key=SEAWEEDFS_ACCESS_KEY,
-        secret_key=SEAWEEDFS_SECRET_KEY,
-        region=REGION,
-        process=process,
-        log_path=log_path,
-        data_dir=root,
-        startup_seconds=time.monotonic() - t0,
-        _cleanup_files=tuple(cleanup),
-    )
-    _LIVE_SERVERS.add(server)
-    return server
+    return _running("seaweedfs", endpoint, (SEAWEEDFS_ACCESS_KEY, SEAWEEDFS_SECRET_KEY), process, log_path, root,
+                    t0, _cleanup_files=tuple(cleanup))
 
 
 def _wait_seaweedfs_ready(
@@ -589,6 +575,39 @@ def _spawn(
             cwd=cwd,
             start_new_session=True,  # terminal Ctrl-C goes to pytest, which stops us
         )
+
+
+def _running(
+    name: str,
+    endpoint: str,
+    credentials: tuple[str, str],
+    process: subprocess.Popen[bytes],
+    log_path: Path,
+    data_dir: Path,
+    started: float,
+    **owned: Any,
+) -> S3Server:
+    """The :class:`S3Server` of a process that answers, registered for the exit-time stop."""
+    server = S3Server(name, endpoint, *credentials, REGION, process, log_path, data_dir,
+                      startup_seconds=time.monotonic() - started, **owned)
+    _LIVE_SERVERS.add(server)
+    return server
+
+
+def _release(
+    process: subprocess.Popen[bytes],
+    grace_seconds: float,
+    cleanup_files: Collection[Path] = (),
+    owned_dir: Path | None = None,
+) -> None:
+    """Stop ``process`` (:func:`_terminate`) and remove what it leaves behind:
+    ``cleanup_files`` (stray sockets) and ``owned_dir`` (a scratch directory)."""
+    _terminate(process, grace_seconds)
+    for path in cleanup_files:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    if owned_dir is not None:
+        shutil.rmtree(owned_dir, ignore_errors=True)
 
 
 def _terminate(process: subprocess.Popen[bytes], grace_seconds: float) -> None:

@@ -1,6 +1,7 @@
 """A 2-rank training job that saves one checkpoint, for crash-consistency trials.
 
-``python tests/crash_job.py ROOT STEP CRASH`` saves ``step{STEP}`` under ROOT with
+``python -m tests.support.crash_job ROOT STEP CRASH`` (from the repository
+root) saves ``step{STEP}`` under ROOT with
 ``CheckpointManager`` (FSDP2 over 2 gloo ranks, keep 2) and exits 0. CRASH
 says how to die on the way:
 
@@ -20,9 +21,6 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 KEEP = 2
 
@@ -77,6 +75,6 @@ def job(rank: int, world_size: int, root: str, step: int, crash: str) -> None:
 
 
 if __name__ == "__main__":
-    from dist import run_world
+    from tests.support.dist import run_world
 
     run_world(2, job, sys.argv[1], int(sys.argv[2]), sys.argv[3], timeout=120.0)

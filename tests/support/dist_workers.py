@@ -29,7 +29,8 @@ from torch.distributed.fsdp import fully_shard
 
 import dcp_ext
 from dcp_ext import CheckpointReader, CheckpointWriter
-from dcp_ext.storage.local import TMP_MARK
+from dcp_ext.storage import TMP_MARK
+from tests.support.compare import assert_same_state
 
 
 def make_model(seed: int) -> nn.Module:
@@ -79,15 +80,12 @@ def local_leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def assert_same_leaves(expected: dict[str, Any], actual: dict[str, Any], what: str) -> None:
-    assert expected.keys() == actual.keys(), (what, set(expected) ^ set(actual))
-    for key, value in expected.items():
-        got = actual[key]
-        if isinstance(value, torch.Tensor):
-            assert got.dtype == value.dtype and got.shape == value.shape, (what, key)
-            assert torch.equal(got, value), (what, key)
-        else:
-            assert got == value, (what, key, value, got)
+def saved_state(world_size: int) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
+    """What every world saves: the FSDP2 model (seed 0), its app state (model
+    and Adam) and that state's local leaves, to compare loads against."""
+    model, optim = make_fsdp(world_size, seed=0)
+    state = app_state(model, optim)
+    return model, state, local_leaves(state)
 
 
 def load_into_fresh(world_size: int, load: Any) -> dict[str, Any]:
@@ -133,9 +131,7 @@ class FailingPlanner(DefaultSavePlanner):
 def two_rank_suite(rank: int, world_size: int, root: str, s3_root: str, s3_options: dict[str, Any]) -> dict[str, Any]:
     """FSDP2 + Adam on local disk and S3, async save, failure injection, interop."""
     report: dict[str, Any] = {}
-    model, optim = make_fsdp(world_size, seed=0)
-    state = app_state(model, optim)
-    expected = local_leaves(state)
+    model, state, expected = saved_state(world_size)
 
     # 1. Local disk, sync save, same-partition load: bit-exact, and each rank
     #    reads about its half of the data.
@@ -143,7 +139,7 @@ def two_rank_suite(rank: int, world_size: int, root: str, s3_root: str, s3_optio
     dcp.save(state, storage_writer=CheckpointWriter(good))
     reader = CheckpointReader(good)
     got = load_into_fresh(world_size, lambda sd: dcp.load(sd, storage_reader=reader))
-    assert_same_leaves(expected, got, "local")
+    assert_same_state(expected, got, "local")
     snap = reader.store.stats.snapshot()
     report["local_bytes_read"] = snap.bytes_read
     report["local_total_bytes"] = data_bytes(good)
@@ -156,7 +152,7 @@ def two_rank_suite(rank: int, world_size: int, root: str, s3_root: str, s3_optio
         world_size,
         lambda sd: dcp.load(sd, storage_reader=CheckpointReader(s3_path, storage_options=s3_options)),
     )
-    assert_same_leaves(expected, got, "s3 async")
+    assert_same_state(expected, got, "s3 async")
 
     # 3. A failure in the middle of rank 1's write.
     dist.barrier()
@@ -192,15 +188,15 @@ def two_rank_suite(rank: int, world_size: int, root: str, s3_root: str, s3_optio
         report["cleaned_names"] = sorted(os.listdir(cleaned))
         assert file_digests(good) == before, "the earlier checkpoint changed"
     got = load_into_fresh(world_size, lambda sd: dcp_ext.load(sd, good))
-    assert_same_leaves(expected, got, "earlier checkpoint after failures")
+    assert_same_state(expected, got, "earlier checkpoint after failures")
 
     # 4. Interop at 2 ranks: torch writes -> dcp_ext reads, and the reverse.
     theirs = f"{root}/torch_written"
     dcp.save(state, storage_writer=FileSystemWriter(theirs))
     got = load_into_fresh(world_size, lambda sd: dcp.load(sd, storage_reader=CheckpointReader(theirs)))
-    assert_same_leaves(expected, got, "torch-written")
+    assert_same_state(expected, got, "torch-written")
     got = load_into_fresh(world_size, lambda sd: dcp.load(sd, storage_reader=FileSystemReader(good)))
-    assert_same_leaves(expected, got, "torch-read")
+    assert_same_state(expected, got, "torch-read")
     return report
 
 
@@ -210,14 +206,12 @@ def four_rank_suite(
     """FSDP2 + Adam at 4 ranks on local disk and SeaweedFS; a 1-process
     checkpoint loaded into 4 ranks; full weights returned for a 1-process load."""
     report: dict[str, Any] = {}
-    model, optim = make_fsdp(world_size, seed=0)
-    state = app_state(model, optim)
-    expected = local_leaves(state)
+    model, state, expected = saved_state(world_size)
     for path, options in ((f"{root}/fsdp4", None), (f"{s3_root}/fsdp4", s3_options)):
         dcp.save(state, storage_writer=CheckpointWriter(path, storage_options=options, files_per_rank=2))
         reader = CheckpointReader(path, storage_options=options)
         got = load_into_fresh(world_size, lambda sd, r=reader: dcp.load(sd, storage_reader=r))
-        assert_same_leaves(expected, got, path)
+        assert_same_state(expected, got, path)
         report.setdefault("bytes_read", []).append(reader.store.stats.snapshot().bytes_read)
         report.setdefault("total_bytes", []).append(data_bytes(path, options))
     # A checkpoint saved by one process (plain model) loads into 4 FSDP2 ranks.
@@ -237,12 +231,10 @@ def four_rank_suite(
 
 def one_rank_suite(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """FSDP2 + Adam with a process group of one."""
-    model, optim = make_fsdp(world_size, seed=0)
-    state = app_state(model, optim)
-    expected = local_leaves(state)
+    model, state, expected = saved_state(world_size)
     dcp_ext.save(state, f"{root}/fsdp1")
     got = load_into_fresh(world_size, lambda sd: dcp_ext.load(sd, f"{root}/fsdp1"))
-    assert_same_leaves(expected, got, "world of one")
+    assert_same_state(expected, got, "world of one")
     return {"names": sorted(os.listdir(f"{root}/fsdp1"))}
 
 

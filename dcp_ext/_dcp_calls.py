@@ -1,0 +1,119 @@
+"""Every call dcp_ext makes into ``dcp.save`` / ``dcp.load`` / ``dcp.async_save``, in one place.
+
+Each entry point (``dcp_ext.save``/``load``, the manager's saves and resumes,
+``load_pretrained``) goes through these, which:
+
+* pause Python's cyclic GC for the blocking part (:mod:`dcp_ext._gc`);
+* quiet torch's notices that say nothing to a dcp_ext user (:mod:`dcp_ext._quiet`);
+* raise dcp_ext's own error instead of DCP's ``CheckpointException``, which
+  derives from ``BaseException`` and so escapes ``except Exception``;
+* after a failed save, delete the data files each rank committed (nothing
+  orphaned stays behind; the metadata, the commit marker, was never written),
+  except when the failure came after the commit (:class:`PostCommitError`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+
+from ._gc import gc_paused
+from ._quiet import torch_notices_quieted
+from .errors import DcpExtError, PostCommitError, unwrap_checkpoint_exception
+from .reader import CheckpointReader
+from .writer import CheckpointWriter
+
+__all__ = ["run_save", "run_load", "start_async_save", "dcp_failure"]
+
+
+def dcp_failure(exc: BaseException, preferred: BaseException | None = None) -> BaseException:
+    """The error to raise for a failed DCP call: ``preferred``, else the first
+    dcp_ext error among the ranks' failures, else the first failure. A DCP
+    wrapper holding no usable failure becomes a :class:`DcpExtError`;
+    ``KeyboardInterrupt`` and ``SystemExit`` pass through."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return exc
+    inner = preferred or unwrap_checkpoint_exception(exc)
+    if isinstance(inner, (Exception, KeyboardInterrupt, SystemExit)):
+        return inner
+    error = DcpExtError(f"distributed checkpoint failed: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _clean_up_failed_save(writer: CheckpointWriter, error: BaseException) -> None:
+    if not isinstance(error, PostCommitError):
+        writer.remove_own_files()
+
+
+def run_save(
+    state: dict[str, Any], writer: CheckpointWriter, planner: SavePlanner | None, process_group: Any
+) -> Metadata:
+    """(all ranks) ``dcp.save`` with dcp_ext's errors and cleanup."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    try:
+        with gc_paused(), torch_notices_quieted():
+            metadata: Metadata = dcp_save(state, storage_writer=writer, planner=planner, process_group=process_group)
+    except BaseException as exc:
+        error = dcp_failure(exc)
+        _clean_up_failed_save(writer, error)
+        raise error from error.__cause__
+    return metadata
+
+
+def run_load(
+    state: dict[str, Any], reader: CheckpointReader, planner: LoadPlanner | None, process_group: Any
+) -> None:
+    """(all ranks) ``dcp.load`` into ``state`` in place, with dcp_ext's errors.
+
+    DCP re-raises a metadata failure as a bare ``AssertionError``; the
+    reader keeps the real one (``reader.last_error``), which is raised instead.
+    """
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    try:
+        with gc_paused(), torch_notices_quieted():
+            dcp_load(state, storage_reader=reader, planner=planner, process_group=process_group)
+    except BaseException as exc:
+        error = dcp_failure(exc, reader.last_error)
+        raise error from error.__cause__
+
+
+def start_async_save(
+    state: dict[str, Any], writer: CheckpointWriter, planner: SavePlanner | None, process_group: Any
+) -> concurrent.futures.Future[None]:
+    """(all ranks) ``dcp.async_save``: returns once the state is staged.
+
+    Returns:
+        A future that completes when the checkpoint has committed (and the
+        writer's ``after_commit`` ran), or fails with the same dcp_ext error
+        on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+
+    result: concurrent.futures.Future[None] = concurrent.futures.Future()
+    try:
+        with gc_paused(), torch_notices_quieted():
+            response = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=process_group)
+    except BaseException as exc:
+        error = dcp_failure(exc)
+        _clean_up_failed_save(writer, error)
+        raise error from error.__cause__
+    upload = getattr(response, "upload_completion", response)
+
+    def settle(future: concurrent.futures.Future[Any]) -> None:
+        try:
+            future.result()
+        except BaseException as exc:
+            error = dcp_failure(exc)
+            _clean_up_failed_save(writer, error)
+            result.set_exception(error)
+            return
+        result.set_result(None)
+
+    upload.add_done_callback(settle)
+    return result

@@ -1,0 +1,241 @@
+"""A checkpoint root on storage: its committed tags, ``newest``, deletion, leftovers, retention.
+
+Used by :class:`~dcp_ext.CheckpointManager` (on the coordinator) and by the
+CLI's ``ls`` and ``prune``; every method is plain I/O by one process, no
+collectives. The layout it reads and writes is described in :mod:`dcp_ext.layout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from . import save_lock
+from ._failpoints import crash_point
+from .config import IOConfig
+from .errors import CheckpointNotFoundError, DcpExtError
+from .layout import (
+    NEWEST_FILE,
+    PARTIAL_SUFFIX,
+    PARTITION_FILE,
+    USER_CONTENT_FILE,
+    TagInfo,
+    partial_dir,
+    user_content_name,
+    validate_tag,
+)
+from ._metadata_format import METADATA_FILE, TORCH_METADATA_FILE, read_created
+from .writer import DATA_SUFFIX
+from .retention import RetentionPolicy, select_for_deletion
+from .storage import TMP_MARK, Store, join_path, normalize_path, open_store
+
+__all__ = ["CheckpointRoot", "LeftoverReport"]
+
+log = logging.getLogger("dcp_ext.root")
+
+# Files dcp_ext writes in a partial checkpoint directory; deletion touches nothing else.
+_OWN_FILES = (METADATA_FILE, TORCH_METADATA_FILE, PARTITION_FILE, USER_CONTENT_FILE)
+# Enough of the metadata document to hold its "created" field (written near its start).
+_HEAD_BYTES = 512
+
+
+@dataclass(frozen=True)
+class LeftoverReport:
+    """What :meth:`CheckpointRoot.remove_leftovers` removed.
+
+    Attributes:
+        temp_files: Temporary files in the root (crashed full saves, ``newest`` writes).
+        uncommitted: Tags whose partial directory never committed and whose lock is not live.
+        uploads: Incomplete multipart uploads aborted (object stores), by object name.
+    """
+
+    temp_files: tuple[str, ...] = ()
+    uncommitted: tuple[str, ...] = ()
+    uploads: tuple[str, ...] = ()
+
+
+class CheckpointRoot:
+    """The checkpoints under one root path.
+
+    Args:
+        root: Local path, ``s3://bucket/prefix`` or fsspec URL.
+        config: I/O tunables.
+        storage_options: fsspec/s3fs options.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        config: IOConfig | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.url = normalize_path(root)
+        self.config = config or IOConfig.from_env()
+        self.storage_options = dict(storage_options or {})
+        self.store = open_store(self.url, self.config, self.storage_options)
+
+    def partial_url(self, tag: str) -> str:
+        """Where the partial checkpoint ``tag`` lives."""
+        return join_path(self.url, partial_dir(tag))
+
+    def partial_store(self, tag: str) -> Store:
+        return open_store(self.partial_url(tag), self.config, self.storage_options)
+
+    def exists(self) -> bool:
+        """Whether the root exists at all (a missing one is usually a mistyped path)."""
+        return self.store.root_exists()
+
+    # -- what is there ---------------------------------------------------------------
+    def partial_tags(self) -> list[str]:
+        """Tags of every ``{tag}_partial`` directory, committed or not."""
+        tags = []
+        for name in self.store.list_dirs():
+            if name.endswith(PARTIAL_SUFFIX):
+                try:
+                    tags.append(validate_tag(name[: -len(PARTIAL_SUFFIX)]))
+                except DcpExtError:
+                    continue  # not ours
+        return tags
+
+    def full_candidates(self) -> list[str]:
+        """Files in the root that may be full checkpoints: not ``newest``, user
+        content, hidden or temporary files."""
+        return [
+            name for name in self.store.list_names()
+            if name != NEWEST_FILE and not name.startswith(("user_content_", ".")) and TMP_MARK not in name
+        ]
+
+    def committed(self) -> list[TagInfo]:
+        """Committed partial checkpoints, oldest first."""
+        infos = []
+        for tag in self.partial_tags():
+            try:
+                head = self.partial_store(tag).read_head(METADATA_FILE, _HEAD_BYTES)
+            except CheckpointNotFoundError:
+                continue  # never committed (failed or running save)
+            infos.append(TagInfo(tag, read_created(head) or 0.0))
+        return sorted(infos, key=lambda t: (t.committed_at, t.tag))
+
+    # -- newest --------------------------------------------------------------------
+    def newest_record(self) -> str | None:
+        """The tag ``newest`` names, as written (``None`` if there is no ``newest``)."""
+        try:
+            return self.store.read_file(NEWEST_FILE).decode(errors="replace").strip()
+        except CheckpointNotFoundError:
+            return None
+
+    def newest(self) -> str | None:
+        """The tag named by ``newest`` if it is committed, else the newest committed
+        tag (with a warning), else ``None``."""
+        committed = self.committed()
+        recorded = self.newest_record()
+        if recorded in {t.tag for t in committed}:
+            return recorded
+        if not committed:
+            return None
+        fallback = committed[-1].tag
+        warnings.warn(
+            f"{self.store.describe(NEWEST_FILE)} "
+            + ("is missing" if recorded is None else f"names {recorded!r}, which is not a committed checkpoint")
+            + f"; using the newest committed tag {fallback!r}",
+            stacklevel=3,
+        )
+        return fallback
+
+    def set_newest(self, tag: str) -> None:
+        """Point ``newest`` at ``tag`` (one atomic write)."""
+        crash_point("before_newest")
+        self.store.write_file(NEWEST_FILE, f"{validate_tag(tag)}\n".encode())
+
+    # -- deletion --------------------------------------------------------------------
+    def delete(self, tag: str, *, partial: bool = True, full: bool = True) -> None:
+        """Delete a checkpoint's files written by dcp_ext (nothing else).
+
+        Raises:
+            ValueError: ``tag`` is the target of ``newest`` (partial).
+        """
+        validate_tag(tag)
+        if partial:
+            if self.newest_record() == tag:
+                raise ValueError(f"{tag!r} is the newest checkpoint; save a newer one before deleting it")
+            self.delete_partial(tag)
+        if full:
+            self.store.delete(tag)
+            self.store.delete(user_content_name(tag))
+
+    def delete_partial(self, tag: str) -> None:
+        """Delete ``{tag}_partial``: the commit marker first, so a half-deleted
+        checkpoint is never mistaken for a committed one."""
+        store = self.partial_store(tag)
+        for name in _OWN_FILES:
+            store.delete(name)
+        crash_point("mid_retention")
+        for name in store.list_names():
+            if name.endswith(DATA_SUFFIX) or TMP_MARK in name or name == save_lock.LOCK_FILE:
+                store.delete(name)
+        store.remove_root_if_empty()
+
+    def apply_retention(self, policy: RetentionPolicy, protect: Collection[str] = (), *, dry_run: bool = False) -> list[str]:
+        """Delete the committed checkpoints ``policy`` does not keep; never the
+        ``newest`` target or a tag in ``protect``.
+
+        Returns:
+            The tags deleted (or that would be, with ``dry_run``), oldest first.
+        """
+        newest = self.newest_record()
+        keep = set(protect) | ({newest} if newest else set())
+        doomed = select_for_deletion(self.committed(), policy, protect=keep)
+        if not dry_run:
+            for tag in doomed:
+                self.delete_partial(tag)
+        return doomed
+
+    def remove_leftovers(self, current: str | None = None) -> LeftoverReport:
+        """Delete what crashed saves left: temporary files in the root, partial
+        directories that never committed, and incomplete multipart uploads
+        older than the stale-lock limit. A directory whose save lock is live
+        (:mod:`dcp_ext.save_lock`), and the tag ``current`` being saved, are
+        never touched."""
+        temp_files = [n for n in self.store.list_names() if TMP_MARK in n]
+        for name in temp_files:
+            self.store.delete(name)
+        locked: dict[str, bool] = {}
+
+        def lock_live(tag: str) -> bool:
+            if tag not in locked:
+                state = save_lock.lock_state(self.partial_store(tag))
+                locked[tag] = state is not None and state.live
+            return locked[tag]
+
+        uncommitted = []
+        for tag in self.partial_tags():
+            if tag == current or self.partial_store(tag).exists(METADATA_FILE) or lock_live(tag):
+                continue  # being saved now, committed, or another job's save in flight
+            log.info("removing %s: a save that never committed", partial_dir(tag))
+            self.delete_partial(tag)
+            uncommitted.append(tag)
+        uploads = []
+        now = time.time()
+        for upload in self.store.list_incomplete_uploads():
+            directory = upload.name.partition("/")[0]
+            tag = directory[: -len(PARTIAL_SUFFIX)] if directory.endswith(PARTIAL_SUFFIX) else ""
+            if now - upload.initiated < float(save_lock.STALE_LOCK_SECONDS):
+                continue  # may belong to a save in flight
+            if tag and (tag == current or (_valid(tag) and lock_live(tag))):
+                continue
+            log.info("aborting incomplete upload of %s started %.0f s ago", upload.name, now - upload.initiated)
+            self.store.abort_upload(upload)
+            uploads.append(upload.name)
+        return LeftoverReport(tuple(temp_files), tuple(uncommitted), tuple(uploads))
+
+
+def _valid(tag: str) -> bool:
+    try:
+        validate_tag(tag)
+    except DcpExtError:
+        return False
+    return True

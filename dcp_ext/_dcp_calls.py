@@ -44,9 +44,13 @@ def dcp_failure(exc: BaseException, preferred: BaseException | None = None) -> B
     return error
 
 
-def _clean_up_failed_save(writer: CheckpointWriter, error: BaseException) -> None:
+def _save_failure(writer: CheckpointWriter, exc: BaseException) -> BaseException:
+    """The error to raise for a failed save, after removing this rank's files
+    (kept when the failure came after the commit)."""
+    error = dcp_failure(exc)
     if not isinstance(error, PostCommitError):
         writer.remove_own_files()
+    return error
 
 
 def run_save(
@@ -59,8 +63,7 @@ def run_save(
         with gc_paused(), torch_notices_quieted():
             metadata: Metadata = dcp_save(state, storage_writer=writer, planner=planner, process_group=process_group)
     except BaseException as exc:
-        error = dcp_failure(exc)
-        _clean_up_failed_save(writer, error)
+        error = _save_failure(writer, exc)
         raise error from error.__cause__
     return metadata
 
@@ -100,8 +103,7 @@ def start_async_save(
         with gc_paused(), torch_notices_quieted():
             response = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=process_group)
     except BaseException as exc:
-        error = dcp_failure(exc)
-        _clean_up_failed_save(writer, error)
+        error = _save_failure(writer, exc)
         raise error from error.__cause__
     upload = getattr(response, "upload_completion", response)
 
@@ -109,9 +111,7 @@ def start_async_save(
         try:
             future.result()
         except BaseException as exc:
-            error = dcp_failure(exc)
-            _clean_up_failed_save(writer, error)
-            result.set_exception(error)
+            result.set_exception(_save_failure(writer, exc))
             return
         result.set_result(None)
 

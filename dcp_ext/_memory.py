@@ -4,7 +4,7 @@ A save allocates and frees hundreds of MiB of transient buffers (S3 part
 buffers, compressed frames, read scratch) from several threads. glibc keeps
 freed memory in per-thread arenas instead of returning it, so a long-running
 training process's RSS creeps up from save to save as different threads
-leave free memory in different arenas. Measured here (tests/resource_job.py,
+leave free memory in different arenas. Measured here (tests/support/resource_job.py,
 20 saves + loads to S3): peak RSS grew 587 -> 637 MiB without trimming and
 585 -> 604 MiB with ``malloc_trim(0)`` after each rank's data is written.
 """

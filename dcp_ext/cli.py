@@ -28,7 +28,7 @@ from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
 from .full import CREATED_KEY
 from .integrity import read_own_metadata, verify
 from .layout import PARTIAL_SUFFIX
-from .retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
+from .retention import KeepEvery, KeepLast, RetentionPolicy
 from .root import CheckpointRoot
 from .storage import Store, join_path, normalize_path, open_store
 
@@ -300,10 +300,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     root = _open_root(args.root, _options(args))
-    policies: list[RetentionPolicy] = [KeepLast(args.keep)]
+    policy: RetentionPolicy = KeepLast(args.keep)
     if args.keep_every:
-        policies.append(KeepEvery(args.keep_every))
-    policy = KeepAny(tuple(policies)) if len(policies) > 1 else policies[0]
+        policy = policy | KeepEvery(args.keep_every)
     committed = len(root.committed())
     doomed = root.apply_retention(policy, dry_run=args.dry_run)
     for tag in doomed:

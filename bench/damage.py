@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dcp_ext._metadata_format import decode_metadata
+from dcp_ext.metadata import decode_metadata
 from tests.support.damage_trials import make_root, run_trials
 
 ROOT = Path(__file__).resolve().parent.parent

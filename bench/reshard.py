@@ -147,7 +147,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
     TensorProperties, TensorStorageMetadata)
-from dcp_ext._metadata_format import StoredItem, encode_metadata, decode_metadata
+from dcp_ext.metadata import StoredItem, encode_metadata, decode_metadata
 from dcp_ext.planners import LayoutLoadPlanner
 from dcp_ext.reader import CheckpointReader
 

@@ -21,7 +21,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import demo
-from ._metadata_format import DecodedMetadata, StoredItem
+from .metadata import DecodedMetadata, StoredItem
 from ._safetensors import MAX_HEADER, parse_header
 from .config import IOConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError

@@ -37,7 +37,7 @@ import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ._failpoints import crash_point
-from ._metadata_format import StoredItem
+from .metadata import StoredItem
 from ._ranges import Piece
 from ._torch_format import Envelope
 from .codecs import Codec, check_descriptors, decode_frame

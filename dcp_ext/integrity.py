@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ._metadata_format import METADATA_FILE, DecodedMetadata, StoredItem, chunk_shapes, decode_metadata
+from .metadata import METADATA_FILE, DecodedMetadata, StoredItem, chunk_shapes, decode_metadata
 from ._ranges import Piece, plan_requests
 from ._torch_format import torch_save_envelope
 from .config import IOConfig

@@ -15,8 +15,10 @@
     ├── step100                      # full checkpoint: the whole model in one file
     └── user_content_step100         # its user content
 
-Pure functions and values only: tag validation, file names, the partition
-record. Retention rules are in :mod:`dcp_ext.retention`; I/O in :mod:`dcp_ext.root`.
+Pure functions and values only: tag validation, file names (data files
+included: which file each saved item goes to, :class:`FileAssignment`), the
+partition record. Retention rules are in :mod:`dcp_ext.retention`; I/O in
+:mod:`dcp_ext.root`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from .errors import CheckpointCorruptError, DcpExtError
 
@@ -39,6 +43,11 @@ __all__ = [
     "PARTIAL_SUFFIX",
     "KIND_FILES",
     "kind_of",
+    "DATA_SUFFIX",
+    "data_file_name",
+    "FileAssignment",
+    "split_items",
+    "item_nbytes",
     "MeshInfo",
     "RankPartition",
     "Partition",
@@ -50,6 +59,7 @@ NEWEST_FILE = "newest"
 PARTITION_FILE = "partition.json"
 USER_CONTENT_FILE = "user_content.safetensors"
 PARTIAL_SUFFIX = "_partial"
+DATA_SUFFIX = ".distcp"
 
 #: State-dict top-level key -> data file stem. Anything else goes to "state".
 KIND_FILES = {"model": "model", "optimizer": "optimizer"}
@@ -101,6 +111,76 @@ def user_content_name(tag: str) -> str:
 def kind_of(fqn: str) -> str:
     """The data-file stem for a flattened state-dict key (``model.w`` -> ``model``)."""
     return KIND_FILES.get(fqn.split(".", 1)[0], _OTHER_KIND)
+
+
+def data_file_name(kind: str, position: str) -> str:
+    """The data file of one kind written at one rank position: ``model_rank3.distcp``.
+
+    Args:
+        kind: A data-file stem (:func:`kind_of`): ``model``, ``optimizer``, ``state``.
+        position: The writer's :func:`position_name` (``rank3``, ``dp0_tp1``).
+    """
+    return f"{kind}_{position}{DATA_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class FileAssignment:
+    """Which data file(s) a rank writes; the ``storage_data`` of its ``SavePlan``.
+
+    Attributes:
+        prefix: File names are ``{prefix}{k}.distcp`` for ``k`` in
+            ``range(files_per_rank)``, unless ``by_kind`` is given.
+        by_kind: ``(kind, file name)`` pairs: each item goes to the file of
+            its kind (:func:`kind_of`), one file per kind (used by
+            :class:`dcp_ext.planners.LayoutSavePlanner`).
+    """
+
+    prefix: str = ""
+    by_kind: tuple[tuple[str, str], ...] = ()
+
+    def files_for(self, items: list[WriteItem], files_per_rank: int) -> list[tuple[str, list[WriteItem]]]:
+        """``(file name, items)`` for each file this rank writes."""
+        if self.by_kind:
+            names = dict(self.by_kind)
+            groups: dict[str, list[WriteItem]] = {}
+            for item in items:
+                kind = kind_of(item.index.fqn)
+                if kind not in names:
+                    raise ValueError(f"no data file assigned for {item.index.fqn!r} (kind {kind!r})")
+                groups.setdefault(names[kind], []).append(item)
+            return list(groups.items())
+        buckets = split_items(items, files_per_rank)
+        return [(f"{self.prefix}{k}{DATA_SUFFIX}", bucket) for k, bucket in enumerate(buckets)]
+
+
+def item_nbytes(item: WriteItem) -> int:
+    """Bytes of a tensor item's data (``0`` for a bytes item)."""
+    if item.tensor_data is None:
+        return 0
+    numel = 1
+    for size in item.tensor_data.size:
+        numel *= int(size)
+    return numel * item.tensor_data.properties.dtype.itemsize
+
+
+def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Spread items over ``bins`` files with balanced bytes, keeping plan order
+    within each file. Byte items are dealt round-robin."""
+    if bins <= 1:
+        return [list(items)]
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensor_items = sorted(
+        (i for i in items if i.type != WriteItemType.BYTE_IO), key=item_nbytes, reverse=True
+    )
+    for n, item in enumerate(byte_items):
+        buckets[n % bins].append(item)
+    for item in tensor_items:
+        target = loads.index(min(loads))
+        buckets[target].append(item)
+        loads[target] += item_nbytes(item)
+    return [b for b in buckets if b]
 
 
 @dataclass(frozen=True)

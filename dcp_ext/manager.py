@@ -43,7 +43,7 @@ from .config import IOConfig
 from .errors import CheckpointExistsError, CheckpointNotFoundError, DcpExtError, NotACheckpointError, PostCommitError
 from .full import save_full
 from .layout import PARTITION_FILE, USER_CONTENT_FILE, MeshInfo, Partition, TagInfo, user_content_name, validate_tag
-from ._metadata_format import METADATA_FILE
+from .metadata import METADATA_FILE
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
 from .pretrained import load_pretrained
 from .process_group import GroupView

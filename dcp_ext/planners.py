@@ -36,8 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import FLATTEN_MAPPING, _create_chunk_list, _create_read_items, set_element
 from .errors import CheckpointCorruptError, CheckpointKeyError, ReshardError
-from .layout import MeshInfo, Partition, RankPartition, kind_of, position_name
-from .writer import DATA_SUFFIX, FileAssignment
+from .layout import FileAssignment, MeshInfo, Partition, RankPartition, data_file_name, kind_of, position_name
 
 __all__ = ["LayoutSavePlanner", "LayoutLoadPlanner"]
 
@@ -79,7 +78,7 @@ class LayoutSavePlanner(DefaultSavePlanner):
             keys: dict[str, set[str]] = {}
             for item in plan.items:
                 keys.setdefault(kind_of(item.index.fqn), set()).add(item.index.fqn)
-            by_kind = tuple((kind, f"{kind}_{position}{DATA_SUFFIX}") for kind in sorted(keys))
+            by_kind = tuple((kind, data_file_name(kind, position)) for kind in sorted(keys))
             assigned.append(dataclasses.replace(plan, storage_data=FileAssignment(by_kind=by_kind)))
             ranks.append(
                 RankPartition(

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ._dcp_calls import run_load
-from ._metadata_format import StoredItem, validate_file_name
+from .metadata import StoredItem, validate_file_name
 from ._ranges import Piece, plan_requests
 from ._safetensors import MAX_HEADER, parse_header
 from .config import IOConfig

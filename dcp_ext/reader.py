@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ._metadata_format import (
+from .metadata import (
     METADATA_FILE,
     TORCH_METADATA_FILE,
     StoredItem,

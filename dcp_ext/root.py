@@ -19,6 +19,7 @@ from ._failpoints import crash_point
 from .config import IOConfig
 from .errors import CheckpointNotFoundError, DcpExtError
 from .layout import (
+    DATA_SUFFIX,
     NEWEST_FILE,
     PARTIAL_SUFFIX,
     PARTITION_FILE,
@@ -28,8 +29,7 @@ from .layout import (
     user_content_name,
     validate_tag,
 )
-from ._metadata_format import METADATA_FILE, TORCH_METADATA_FILE, read_created
-from .writer import DATA_SUFFIX
+from .metadata import METADATA_FILE, TORCH_METADATA_FILE, read_created
 from .retention import RetentionPolicy, select_for_deletion
 from .storage import TMP_MARK, Store, join_path, normalize_path, open_store
 

@@ -2,7 +2,8 @@
 
 Allowed values: ``None``, ``bool``, ``int``, ``float`` (NaN and infinities
 too), ``str``, lists, tuples, dicts with string keys, and tensors (dense, any
-device; stored from CPU). The tree is kept as JSON in the metadata of a
+device; stored from CPU). The tree is kept as JSON (a
+:mod:`dcp_ext.tagged_json` tree with tensor leaves) in the metadata of a
 safetensors file that holds the tensors, so loading someone else's checkpoint
 never runs their code: nothing is unpickled, and the only objects created are
 the ones listed above.
@@ -11,7 +12,6 @@ the ones listed above.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from ._safetensors import build_header, parse_header
 from ._torch_format import tensor_bytes
 from .errors import DcpExtError
+from .tagged_json import LeafEncoder, UnsupportedValueError, decode_tree, encode_tree
 
 __all__ = ["UnsafeUserContentError", "encode_user_content", "decode_user_content"]
 
@@ -29,12 +30,12 @@ class UnsafeUserContentError(DcpExtError, TypeError):
     """``user_content`` holds a value that cannot be stored without pickle."""
 
 
-def _encode(value: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"__float__": repr(value)}
-    if isinstance(value, torch.Tensor):
+def _tensor_leaf(tensors: list[tuple[str, torch.Tensor]]) -> LeafEncoder:
+    """Stores each tensor in ``tensors`` and puts ``{"__tensor__": name}`` in the tree."""
+
+    def encode(value: Any, path: str) -> dict[str, Any] | None:
+        if not isinstance(value, torch.Tensor):
+            return None
         if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
             raise UnsafeUserContentError(
                 f"user_content{path} is a {type(value).__name__}; store a plain tensor "
@@ -43,22 +44,24 @@ def _encode(value: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> A
         name = f"t{len(tensors)}"
         tensors.append((name, value.detach().to("cpu").contiguous()))
         return {"__tensor__": name}
-    if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [_encode(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        bad = [k for k in value if not isinstance(k, str)]
-        if bad:
+
+    return encode
+
+
+def _encode(value: Any, tensors: list[tuple[str, torch.Tensor]]) -> Any:
+    try:
+        return encode_tree(value, _tensor_leaf(tensors))
+    except UnsupportedValueError as err:
+        if err.bad_key:
             raise UnsafeUserContentError(
-                f"user_content{path} has a non-string key {bad[0]!r}; use string keys"
-            )
-        return {"__dict__": {k: _encode(v, f"{path}[{k!r}]", tensors) for k, v in value.items()}}
-    raise UnsafeUserContentError(
-        f"user_content{path} is a {type(value).__module__}.{type(value).__name__}, which "
-        f"cannot be stored without pickle; use None, bool, int, float, str, list, "
-        f"tuple, dict with string keys, or tensors"
-    )
+                f"user_content{err.path} has a non-string key {err.key!r}; use string keys"
+            ) from None
+        kind = type(err.value)
+        raise UnsafeUserContentError(
+            f"user_content{err.path} is a {kind.__module__}.{kind.__name__}, which "
+            f"cannot be stored without pickle; use None, bool, int, float, str, list, "
+            f"tuple, dict with string keys, or tensors"
+        ) from None
 
 
 def encode_user_content(value: Any) -> bytes:
@@ -68,28 +71,12 @@ def encode_user_content(value: Any) -> bytes:
         UnsafeUserContentError: A value outside the allowed types, naming where it is.
     """
     tensors: list[tuple[str, torch.Tensor]] = []
-    tree = _encode(value, "", tensors)
+    tree = _encode(value, tensors)
     header, _ = build_header(
         ((name, t.dtype, tuple(t.shape)) for name, t in tensors),
         metadata={_KEY: json.dumps(tree, separators=(",", ":"))},
     )
     return header + b"".join(bytes(tensor_bytes(t)) for _, t in tensors)
-
-
-def _decode(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(node, list):
-        return [_decode(v, tensors) for v in node]
-    if isinstance(node, dict):
-        if "__tensor__" in node:
-            return tensors[node["__tensor__"]]
-        if "__tuple__" in node:
-            return tuple(_decode(v, tensors) for v in node["__tuple__"])
-        if "__dict__" in node:
-            return {k: _decode(v, tensors) for k, v in node["__dict__"].items()}
-        if "__float__" in node:
-            return float(node["__float__"])
-        raise ValueError(f"unknown node {sorted(node)}")
-    return node
 
 
 def decode_user_content(data: bytes, where: str) -> Any:
@@ -112,6 +99,6 @@ def decode_user_content(data: bytes, where: str) -> Any:
                 if raw
                 else torch.empty(entry.shape, dtype=entry.dtype)
             )
-        return _decode(tree, tensors)
+        return decode_tree(tree, {"__tensor__": tensors.__getitem__})
     except (KeyError, ValueError, TypeError, RuntimeError) as err:
         raise CheckpointCorruptError(f"{where} is not valid dcp_ext user content: {err}", where) from err

@@ -31,7 +31,6 @@ import logging
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ._metadata_format import (
+from .metadata import (
     METADATA_FILE,
     TORCH_METADATA_FILE,
     StoredItem,
@@ -55,76 +54,16 @@ from .codecs import Codec, resolve_codec
 from .config import IOConfig
 from .frames import FrameEncoder
 from .errors import CheckpointExistsError, DcpExtError, PostCommitError
-from .layout import kind_of
+from .layout import DATA_SUFFIX, FileAssignment, item_nbytes
 from .save_lock import SaveLock
 from .storage import TMP_MARK, Store, normalize_path, open_store
 
-__all__ = ["CheckpointWriter", "FileAssignment", "DATA_SUFFIX"]
+__all__ = ["CheckpointWriter"]
 
 log = logging.getLogger("dcp_ext.writer")
 
-DATA_SUFFIX = ".distcp"
 # Rough upper bound of a torch.save envelope, used only for S3 part sizing.
 _ENVELOPE_ESTIMATE = 2048
-
-
-@dataclass(frozen=True)
-class FileAssignment:
-    """Which data file(s) a rank writes; the ``storage_data`` of its ``SavePlan``.
-
-    Attributes:
-        prefix: File names are ``{prefix}{k}.distcp`` for ``k`` in
-            ``range(files_per_rank)``, unless ``by_kind`` is given.
-        by_kind: ``(kind, file name)`` pairs: each item goes to the file of
-            its kind (:func:`dcp_ext.layout.kind_of`), one file per kind
-            (used by :class:`dcp_ext.planners.LayoutSavePlanner`).
-    """
-
-    prefix: str = ""
-    by_kind: tuple[tuple[str, str], ...] = ()
-
-    def files_for(self, items: list[WriteItem], files_per_rank: int) -> list[tuple[str, list[WriteItem]]]:
-        """``(file name, items)`` for each file this rank writes."""
-        if self.by_kind:
-            names = dict(self.by_kind)
-            groups: dict[str, list[WriteItem]] = {}
-            for item in items:
-                kind = kind_of(item.index.fqn)
-                if kind not in names:
-                    raise ValueError(f"no data file assigned for {item.index.fqn!r} (kind {kind!r})")
-                groups.setdefault(names[kind], []).append(item)
-            return list(groups.items())
-        buckets = split_items(items, files_per_rank)
-        return [(f"{self.prefix}{k}{DATA_SUFFIX}", bucket) for k, bucket in enumerate(buckets)]
-
-
-def _item_nbytes(item: WriteItem) -> int:
-    if item.tensor_data is None:
-        return 0
-    numel = 1
-    for size in item.tensor_data.size:
-        numel *= int(size)
-    return numel * item.tensor_data.properties.dtype.itemsize
-
-
-def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Spread items over ``bins`` files with balanced bytes, keeping plan order
-    within each file. Byte items are dealt round-robin."""
-    if bins <= 1:
-        return [list(items)]
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    loads = [0] * bins
-    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
-    tensor_items = sorted(
-        (i for i in items if i.type != WriteItemType.BYTE_IO), key=_item_nbytes, reverse=True
-    )
-    for n, item in enumerate(byte_items):
-        buckets[n % bins].append(item)
-    for item in tensor_items:
-        target = loads.index(min(loads))
-        buckets[target].append(item)
-        loads[target] += _item_nbytes(item)
-    return [b for b in buckets if b]
 
 
 class CheckpointWriter(StorageWriter):
@@ -332,7 +271,7 @@ class CheckpointWriter(StorageWriter):
         self, store: Store, name: str, items: list[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
         """Write one data file: each item's frames (:class:`~dcp_ext.frames.FrameEncoder`)."""
-        size_hint = sum(_item_nbytes(i) + _ENVELOPE_ESTIMATE for i in items)
+        size_hint = sum(item_nbytes(i) + _ENVELOPE_ESTIMATE for i in items)
         raw_tensors = self.codec is None  # stored inside torch.save envelopes
         with store.open_writer(name, size_hint=size_hint) as writer:
             with FrameEncoder(writer, name, self.config.frame_size, self.codec) as frames:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dcp_ext._metadata_format import seal as sign
+from dcp_ext.metadata import seal as sign
 
 __all__ = ["sign", "edit_metadata"]
 

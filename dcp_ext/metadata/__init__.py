@@ -1,0 +1,44 @@
+"""Checkpoint metadata on storage: dcp_ext's JSON document and torch's pickle.
+
+* :mod:`.document`: the ``dcp_ext.metadata.json`` format, writing it
+  (:func:`encode_metadata`, :func:`seal`) and its own checksum;
+* :mod:`.decode`: reading and validating it (:func:`decode_metadata`), and
+  the commit time from its first bytes (:func:`read_created`);
+* :mod:`.torch_pickle`: torch's ``.metadata``, written for interop and read
+  with a restricted unpickler.
+"""
+
+from __future__ import annotations
+
+from .decode import DecodedMetadata, decode_metadata, read_created
+from .document import (
+    FORMAT_VERSION,
+    MAX_FRAME_SIZE,
+    METADATA_FILE,
+    TORCH_METADATA_FILE,
+    StoredItem,
+    check_integrity,
+    chunk_shapes,
+    encode_metadata,
+    seal,
+    validate_file_name,
+)
+from .torch_pickle import load_torch_metadata, to_torch_metadata
+
+__all__ = [
+    "METADATA_FILE",
+    "TORCH_METADATA_FILE",
+    "FORMAT_VERSION",
+    "MAX_FRAME_SIZE",
+    "StoredItem",
+    "DecodedMetadata",
+    "encode_metadata",
+    "decode_metadata",
+    "seal",
+    "check_integrity",
+    "chunk_shapes",
+    "validate_file_name",
+    "to_torch_metadata",
+    "load_torch_metadata",
+    "read_created",
+]

@@ -1,0 +1,298 @@
+"""Reading dcp_ext's metadata document: parse, validate, rebuild DCP's ``Metadata``.
+
+Every field is checked before use (sizes, offsets, file names, frame tables),
+so a damaged or hostile document fails with ``CheckpointCorruptError``
+instead of an odd error or a read outside the checkpoint. The format itself is
+described in :mod:`dcp_ext.metadata.document`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .._torch_format import dtype_from_name
+from ..errors import CheckpointCorruptError
+from ..tagged_json import decode_tree
+from .document import (
+    DCP_VERSION,
+    FORMAT,
+    MAX_FRAME_SIZE,
+    READABLE_VERSIONS,
+    StoredItem,
+    check_integrity,
+    validate_file_name,
+)
+
+__all__ = ["DecodedMetadata", "decode_metadata", "read_created"]
+
+
+def _int_list(value: Any, what: str, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise CheckpointCorruptError(f"{where}: {what} must be a list of non-negative integers", where)
+    return value
+
+
+def _nonneg(value: Any, what: str, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CheckpointCorruptError(f"{where}: {what} must be a non-negative integer, got {value!r}", where)
+    return value
+
+
+@dataclass(frozen=True)
+class DecodedMetadata:
+    """What :func:`decode_metadata` returns."""
+
+    metadata: Metadata
+    files: dict[str, int]
+    world_size: int
+    created: float = 0.0
+
+
+def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
+    """Parse and validate dcp_ext's JSON metadata.
+
+    Args:
+        data: The file's bytes.
+        where: The file's location, for messages.
+
+    Raises:
+        CheckpointCorruptError: The document is not valid dcp_ext metadata.
+    """
+    verified = check_integrity(data, where)
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointCorruptError(
+            f"{where} is not valid JSON ({err}); the metadata file is damaged", where
+        ) from err
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointCorruptError(f"{where} is not dcp_ext metadata", where)
+    version = doc.get("version")
+    if version not in READABLE_VERSIONS:
+        raise CheckpointCorruptError(
+            f"{where} has metadata version {version!r}; this dcp_ext reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}. Upgrade dcp_ext to load it.",
+            where,
+        )
+    if version >= 2 and not verified:
+        # Every version-2 document ends with its checksum: a missing one
+        # means the field itself was damaged (e.g. a flipped byte in its name).
+        raise CheckpointCorruptError(
+            f"{where} is damaged: its integrity checksum is missing. Restore the file or load "
+            f"an earlier checkpoint.",
+            where,
+        )
+    try:
+        state_dict_metadata: dict[str, Any] = {}
+        for fqn, entry in doc["state_dict"].items():
+            kind = entry["kind"]
+            if kind == "bytes":
+                state_dict_metadata[fqn] = BytesStorageMetadata()
+                continue
+            if kind != "tensor":
+                raise CheckpointCorruptError(f"{where}: key {fqn!r} has unknown kind {kind!r}", where)
+            size = _int_list(entry["size"], f"size of {fqn!r}", where)
+            chunks = []
+            for chunk in entry["chunks"]:
+                offsets = _int_list(chunk["offsets"], f"chunk offsets of {fqn!r}", where)
+                sizes = _int_list(chunk["sizes"], f"chunk sizes of {fqn!r}", where)
+                if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                    o + s > n for o, s, n in zip(offsets, sizes, size)
+                ):
+                    raise CheckpointCorruptError(
+                        f"{where}: a chunk of {fqn!r} (offsets {offsets}, sizes {sizes}) "
+                        f"lies outside the tensor's size {size}",
+                        where,
+                    )
+                chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            try:
+                dtype = dtype_from_name(entry["dtype"])
+            except ValueError as err:
+                raise CheckpointCorruptError(f"{where}: key {fqn!r}: {err}", where) from err
+            state_dict_metadata[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype, requires_grad=bool(entry.get("requires_grad", False))),
+                size=torch.Size(size),
+                chunks=chunks,
+            )
+        files = {
+            validate_file_name(name, where): _nonneg(size, f"size of {name!r}", where)
+            for name, size in doc["files"].items()
+        }
+        storage: dict[MetadataIndex, StoredItem] = {}
+        for record in doc["items"]:
+            fqn = record["fqn"]
+            if fqn not in state_dict_metadata:
+                raise CheckpointCorruptError(f"{where}: item for unknown key {fqn!r}", where)
+            offset = record["offset"]
+            index = MetadataIndex(fqn, None if offset is None else _int_list(offset, f"offset of {fqn!r}", where))
+            name = validate_file_name(record["file"], where)
+            item = StoredItem(
+                name,
+                _nonneg(record["at"], "item offset", where),
+                _nonneg(record["length"], "item length", where),
+                _nonneg(record["data_at"], "data offset", where),
+                _nonneg(record["data_length"], "data length", where),
+            )
+            item = _decode_frames(record, item, fqn, where)
+            if item.data_offset + item.data_length > item.length:
+                raise CheckpointCorruptError(
+                    f"{where}: item {fqn!r} claims data outside its own byte range", where
+                )
+            if name not in files or item.offset + item.length > files[name]:
+                raise CheckpointCorruptError(
+                    f"{where}: item {fqn!r} lies outside file {name!r} as recorded", where
+                )
+            storage[index] = item
+        meta_in = doc.get("storage_meta")
+        storage_meta = (
+            None
+            if meta_in is None
+            else StorageMeta(
+                checkpoint_id=meta_in.get("checkpoint_id"),
+                save_id=meta_in.get("save_id"),
+                modules=list(meta_in.get("modules") or []),
+            )
+        )
+        metadata = Metadata(
+            state_dict_metadata=state_dict_metadata,
+            planner_data=decode_tree(doc.get("planner_data")),
+            storage_data=storage,
+            storage_meta=storage_meta,
+            version=str(doc.get("dcp_version", DCP_VERSION)),
+        )
+        world_size = int(doc.get("world_size", 0))
+        created = float(doc.get("created", 0) or 0)
+    except CheckpointCorruptError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CheckpointCorruptError(
+            f"{where} is malformed ({type(err).__name__}: {err}); the metadata file is damaged",
+            where,
+        ) from err
+    return DecodedMetadata(metadata, files, world_size, created)
+
+
+def _decode_frames(record: dict[str, Any], base: StoredItem, fqn: str, where: str) -> StoredItem:
+    """The frame fields of an item record, checked for consistency."""
+    codec = record.get("codec")
+    frame_size = record.get("frame")
+    if codec is None and frame_size is None:
+        return base
+    what = f"item {fqn!r}"
+    transforms: tuple[str, ...] = ()
+    raw_length = -1
+    if codec is not None:
+        if not isinstance(codec, list) or not codec or not all(isinstance(c, str) for c in codec):
+            raise CheckpointCorruptError(f"{where}: {what} has an invalid codec {codec!r}", where)
+        transforms = tuple(codec)
+        raw_length = _nonneg(record.get("raw_length"), f"raw length of {fqn!r}", where)
+    frame_size = _nonneg(frame_size, f"frame size of {fqn!r}", where)
+    if not 0 < frame_size <= MAX_FRAME_SIZE:
+        raise CheckpointCorruptError(
+            f"{where}: {what} claims a frame size of {frame_size} bytes (at most {MAX_FRAME_SIZE})", where
+        )
+    raw_size = base.data_length if raw_length < 0 else raw_length
+    count = -(-raw_size // frame_size)
+    lengths: tuple[int, ...] = ()
+    if transforms:
+        lengths = tuple(_int_list(record.get("frames"), f"frame lengths of {fqn!r}", where))
+        if len(lengths) != count or sum(lengths) != base.data_length:
+            raise CheckpointCorruptError(
+                f"{where}: {what} records {len(lengths)} frames of {sum(lengths)} bytes; "
+                f"{raw_size} raw bytes in frames of {frame_size} need {count} frames "
+                f"and its data is {base.data_length} bytes",
+                where,
+            )
+    sums = record.get("xxh3")
+    if not isinstance(sums, list) or len(sums) != count:
+        raise CheckpointCorruptError(
+            f"{where}: {what} needs {count} frame checksums, has "
+            f"{len(sums) if isinstance(sums, list) else sums!r}",
+            where,
+        )
+    try:
+        checksums = tuple(int(c, 16) for c in sums if isinstance(c, str) and len(c) == 16)
+    except ValueError:
+        checksums = ()
+    if len(checksums) != count:
+        raise CheckpointCorruptError(f"{where}: {what} has malformed checksums", where)
+    return StoredItem(
+        base.relative_path,
+        base.offset,
+        base.length,
+        base.data_offset,
+        base.data_length,
+        raw_length,
+        transforms,
+        frame_size,
+        lengths,
+        checksums,
+    )
+
+
+def read_created(head: bytes) -> float | None:
+    """The commit time (``created``) from the first bytes of a metadata document.
+
+    The document's leading keys come in a fixed order with ``created`` among
+    the first, so listing a root reads a few hundred bytes per checkpoint
+    instead of whole documents. Walks the document's leading ``"key": value``
+    members one by one as JSON (a nested value is parsed whole, so a
+    ``"created"`` inside one is never mistaken for the field).
+
+    Args:
+        head: The document's first bytes (or all of it).
+
+    Returns:
+        ``created`` in seconds since the epoch; ``None`` if ``head`` ends
+        before it, it is not a number, or ``head`` is not the start of a JSON
+        object.
+    """
+    text = head.decode("utf-8", errors="ignore")  # the cut may split a character
+    decoder = json.JSONDecoder()
+    pos = _skip_space(text, 0)
+    if not text.startswith("{", pos):
+        return None
+    pos += 1
+    try:
+        while True:
+            pos = _skip_space(text, pos)
+            if not text.startswith('"', pos):
+                return None  # the end of the object, or not JSON
+            key, pos = decoder.raw_decode(text, pos)
+            pos = _skip_space(text, pos)
+            if not text.startswith(":", pos):
+                return None
+            value, pos = decoder.raw_decode(text, _skip_space(text, pos + 1))
+            pos = _skip_space(text, pos)
+            if not text.startswith((",", "}"), pos):
+                return None  # the head may end inside this value (a cut number parses)
+            if key == "created":
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                return float(value) if number else None
+            if text.startswith("}", pos):
+                return None
+            pos += 1
+    except ValueError:
+        return None  # the head ends inside this member, or it is not JSON
+
+
+def _skip_space(text: str, pos: int) -> int:
+    """The first position at or after ``pos`` that is not JSON whitespace."""
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos

@@ -1,0 +1,104 @@
+"""Torch's pickled ``.metadata``: written for torch's readers, read restricted.
+
+dcp_ext writes torch's ``.metadata`` beside its own JSON document so that
+torch's readers load uncompressed dcp_ext checkpoints. Checkpoints written by
+torch have only the pickle; :func:`load_torch_metadata` reads it with an
+unpickler that admits DCP's metadata classes and nothing else, so loading
+never runs code from the file.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from ..errors import CheckpointCorruptError
+from .document import DCP_VERSION, StoredItem
+
+__all__ = ["to_torch_metadata", "load_torch_metadata"]
+
+
+def to_torch_metadata(metadata: Metadata, items: dict[MetadataIndex, StoredItem]) -> bytes:
+    """Torch's pickled ``.metadata`` for the same checkpoint (interop only)."""
+    torch_md = Metadata(
+        state_dict_metadata=metadata.state_dict_metadata,
+        planner_data=metadata.planner_data,
+        storage_data={index: item.to_torch() for index, item in items.items()},
+        storage_meta=metadata.storage_meta,
+        version=DCP_VERSION,
+    )
+    return pickle.dumps(torch_md)
+
+
+# The globals a DCP ``.metadata`` pickle may name besides torch's dtypes,
+# layouts and memory formats; any other is refused before it is imported.
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise CheckpointCorruptError(
+            f"{self.where} refers to {module}.{name}, which is not part of DCP "
+            f"metadata; refusing to unpickle it (it could run code). Load this "
+            f"checkpoint only if you trust its source, with torch's own reader.",
+            self.where,
+        )
+
+
+def load_torch_metadata(data: bytes, where: str) -> Metadata:
+    """Unpickle torch's ``.metadata`` admitting only DCP metadata classes.
+
+    Raises:
+        CheckpointCorruptError: The pickle is damaged or names any other class
+            or function (nothing from it is executed).
+    """
+    try:
+        metadata = _RestrictedUnpickler(data, where).load()
+    except CheckpointCorruptError:
+        raise
+    except Exception as err:
+        raise CheckpointCorruptError(
+            f"{where} cannot be read as DCP metadata ({type(err).__name__}: {err}); "
+            f"the metadata file is damaged",
+            where,
+        ) from err
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{where} does not hold DCP metadata", where)
+    return metadata

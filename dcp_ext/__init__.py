@@ -8,6 +8,7 @@ bounded memory, ranged reads and an explicit commit protocol.
 
 from __future__ import annotations
 
+from ._dcp_calls import AsyncSaveHandle
 from .api import load, save
 from .codecs import Codec, ZstdCodec
 from .config import IOConfig, RetryPolicy
@@ -39,6 +40,7 @@ from .pretrained import FullCheckpointReader, PretrainedLoadReport, load_pretrai
 from .reader import CheckpointReader
 from .retention import KeepAny, KeepEvery, KeepLast, KeepMatching, RetentionPolicy
 from .root import CheckpointRoot
+from .staging import Stager, StagingStats
 from .user_content import UnsafeUserContentError
 from .writer import CheckpointWriter
 
@@ -50,6 +52,9 @@ __all__ = [
     "save",
     "load",
     "CheckpointManager",
+    "AsyncSaveHandle",
+    "Stager",
+    "StagingStats",
     "CheckpointRoot",
     "RetentionPolicy",
     "KeepLast",

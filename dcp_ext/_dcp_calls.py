@@ -24,9 +24,10 @@ from ._gc import gc_paused
 from ._quiet import torch_notices_quieted
 from .errors import DcpExtError, PostCommitError, unwrap_checkpoint_exception
 from .reader import CheckpointReader
+from .staging import Stager
 from .writer import CheckpointWriter
 
-__all__ = ["run_save", "run_load", "start_async_save", "dcp_failure"]
+__all__ = ["AsyncSaveHandle", "run_save", "run_load", "start_async_save", "dcp_failure"]
 
 
 def dcp_failure(exc: BaseException, preferred: BaseException | None = None) -> BaseException:
@@ -86,34 +87,82 @@ def run_load(
         raise error from error.__cause__
 
 
+class AsyncSaveHandle(concurrent.futures.Future):  # type: ignore[type-arg]
+    """An asynchronous save in flight, with DCP's two phases.
+
+    The handle itself is a future that completes when the save is done:
+    committed, ``newest`` moved and retention applied (for a manager's
+    save). Its outcome, errors included, is the same on every rank.
+
+    Attributes:
+        staging_completion: Done when the state has been copied; from then on
+            the caller may change it (``optimizer.step()``). Changing it
+            before is the caller's error: the checkpoint could hold a mix of
+            old and new values.
+        upload_completion: Done when the checkpoint has committed (the same
+            moment as the handle; DCP's name, for code written against
+            ``AsyncSaveResponse``).
+    """
+
+    def __init__(self, staging_completion: concurrent.futures.Future[None]) -> None:
+        super().__init__()
+        self.staging_completion = staging_completion
+        self.upload_completion: concurrent.futures.Future[None] = self
+
+
+def _done_future() -> concurrent.futures.Future[None]:
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    done.set_result(None)
+    return done
+
+
 def start_async_save(
-    state: dict[str, Any], writer: CheckpointWriter, planner: SavePlanner | None, process_group: Any
-) -> concurrent.futures.Future[None]:
-    """(all ranks) ``dcp.async_save``: returns once the state is staged.
+    state: dict[str, Any],
+    writer: CheckpointWriter,
+    planner: SavePlanner | None,
+    process_group: Any,
+    *,
+    stager: Stager | None = None,
+    uploads: str = "thread",
+) -> AsyncSaveHandle:
+    """(all ranks) ``dcp.async_save``: returns once staging has started (with
+    a background ``stager``) or finished (without one: the writer's blocking copy).
+
+    Args:
+        stager: The :class:`~dcp_ext.staging.Stager` to stage with; its
+            buffers are held until this save's upload is done.
+        uploads: ``"thread"`` or ``"process"`` (DCP's ``AsyncCheckpointerType``):
+            where the upload's Python work runs.
 
     Returns:
-        A future that completes when the checkpoint has committed (and the
-        writer's ``after_commit`` ran), or fails with the same dcp_ext error
-        on every rank.
+        The save's :class:`AsyncSaveHandle`; it fails with the same dcp_ext
+        error on every rank.
     """
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
-    result: concurrent.futures.Future[None] = concurrent.futures.Future()
+    kinds = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+    if uploads not in kinds:
+        raise ValueError(f"uploads must be 'thread' or 'process', got {uploads!r}")
     try:
         with gc_paused(), torch_notices_quieted():
-            response = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=process_group)
+            response = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=process_group,
+                                      async_stager=stager, async_checkpointer_type=kinds[uploads])
     except BaseException as exc:
         error = _save_failure(writer, exc)
         raise error from error.__cause__
     upload = getattr(response, "upload_completion", response)
+    if stager is not None:
+        stager.release_after(upload)
+    handle = AsyncSaveHandle(getattr(response, "staging_completion", None) or _done_future())
 
     def settle(future: concurrent.futures.Future[Any]) -> None:
         try:
             future.result()
         except BaseException as exc:
-            result.set_exception(_save_failure(writer, exc))
+            handle.set_exception(_save_failure(writer, exc))
             return
-        result.set_result(None)
+        handle.set_result(None)
 
     upload.add_done_callback(settle)
-    return result
+    return handle

@@ -22,14 +22,23 @@ Order of a partial save (each step only after the previous one succeeded):
 Steps 3-4 run inside the writer's ``finish``, so a failure there reaches
 every rank through DCP, for synchronous and asynchronous saves alike. A
 failure at any step leaves ``newest`` on the previous tag and deletes nothing.
+
+An asynchronous save (``async_save=True``) stops the caller only while the
+state is walked; the manager's :class:`~dcp_ext.staging.Stager` copies it into
+reused buffers in the background, and the upload (steps 1-4) runs in a thread
+or, with ``async_uploads="process"``, in DCP's checkpoint process. The
+returned :class:`~dcp_ext.AsyncSaveHandle` has DCP's two futures:
+``staging_completion`` (wait before changing the state) and
+``upload_completion`` (committed, ``newest`` moved, retention done).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import atexit
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._dcp_calls import run_load, run_save, start_async_save
+from ._dcp_calls import AsyncSaveHandle, run_load, run_save, start_async_save
 from .codecs import Codec, resolve_codec
 from .config import IOConfig
 from .errors import CheckpointExistsError, CheckpointNotFoundError, DcpExtError, NotACheckpointError, PostCommitError
@@ -50,6 +59,7 @@ from .process_group import GroupView
 from .reader import CheckpointReader
 from .retention import KeepLast, RetentionPolicy
 from .root import CheckpointRoot
+from .staging import Stager
 from .storage import Store, join_path, normalize_path, open_store
 from .user_content import decode_user_content, encode_user_content
 from .writer import CheckpointWriter
@@ -97,6 +107,16 @@ class CheckpointManager:
             Loading needs no setting; full checkpoints are not compressed.
         retention: Default :mod:`dcp_ext.retention` policy applied after each
             partial save (``None``: keep everything unless a save says otherwise).
+        async_uploads: Where an asynchronous save's upload runs: ``"thread"``
+            (default) or ``"process"`` (DCP's checkpoint process, one per
+            rank, started on the first such save; the upload's Python work
+            then does not compete with training for the GIL). With
+            ``"process"``, retention policies must pickle (no lambdas).
+        stager: The :class:`~dcp_ext.staging.Stager` for asynchronous saves
+            (default: one made on the first asynchronous save, with
+            background staging, shared-memory buffers for ``"process"``
+            uploads). Its buffers hold one copy of the state per rank until
+            :meth:`close`.
 
     Attributes:
         checkpoints: The :class:`~dcp_ext.root.CheckpointRoot` (tags, ``newest``, deletion).
@@ -114,7 +134,11 @@ class CheckpointManager:
         mesh: Any = None,
         compression: str | Codec | None = None,
         retention: RetentionPolicy | None = None,
+        async_uploads: str = "thread",
+        stager: Stager | None = None,
     ) -> None:
+        if async_uploads not in ("thread", "process"):
+            raise ValueError(f"async_uploads must be 'thread' or 'process', got {async_uploads!r}")
         self.root = normalize_path(root)
         self.compression = resolve_codec(compression)
         self.storage_options = dict(storage_options or {})
@@ -124,8 +148,12 @@ class CheckpointManager:
         self.mesh = MeshInfo.from_device_mesh(mesh) if mesh is not None else None
         self.retention = retention
         self.checkpoints = CheckpointRoot(self.root, self.config, self.storage_options)
-        self._pending: concurrent.futures.Future[None] | None = None
+        self.async_uploads = async_uploads
+        self.stager = stager
+        self._own_stager = stager is None
+        self._pending: AsyncSaveHandle | None = None
         self._lock = threading.Lock()
+        _LIVE_MANAGERS.add(self)
         self.last_load_planner: LayoutLoadPlanner | None = None
         self.last_reader: CheckpointReader | None = None
 
@@ -150,14 +178,32 @@ class CheckpointManager:
 
     # -- save -------------------------------------------------------------------------
     def wait(self) -> None:
-        """Block until an asynchronous save in flight has committed (or failed)."""
+        """(all ranks) Block until an asynchronous save in flight is done (or failed).
+
+        Also runs at interpreter exit for every live manager, so a process
+        that ends right after ``save(async_save=True)`` still commits that
+        save and moves ``newest``.
+        """
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:
             try:
                 pending.result()
-            except BaseException as err:  # reported by that save's own future
+            except BaseException as err:  # reported by that save's own handle
                 log.warning("the previous asynchronous save failed: %s", err)
+
+    def close(self) -> None:
+        """(all ranks) Wait for a save in flight, then free the staging buffers of the manager's own stager."""
+        self.wait()
+        if self.stager is not None and self._own_stager:
+            self.stager.close()
+            self.stager = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def save(
         self,
@@ -173,7 +219,7 @@ class CheckpointManager:
         full_format: str = "safetensors",
         include_optimizer: bool = False,
         retention: RetentionPolicy | None = None,
-    ) -> concurrent.futures.Future[None] | None:
+    ) -> AsyncSaveHandle | None:
         """(all ranks) Save a checkpoint under ``tag``.
 
         Args:
@@ -187,9 +233,13 @@ class CheckpointManager:
                 ``False``: one full model file ``ROOT/{tag}`` for inference.
             num_kept_partial_checkpoints: After this save commits, delete the
                 oldest partial checkpoints beyond this many (``KeepLast(n)``).
-            async_save: Return a future at once; ``newest`` and retention are
-                applied when the background save commits. The future's
-                outcome, errors included, is the same on every rank.
+            async_save: Return an :class:`~dcp_ext.AsyncSaveHandle` as soon
+                as the state has been walked: wait on its
+                ``staging_completion`` before changing the state; the handle
+                (``result()``, ``upload_completion``) completes when the save
+                committed, ``newest`` moved and retention ran. Its outcome,
+                errors included, is the same on every rank. A save started
+                while another is in flight first waits for that one.
             overwrite: Replace an existing checkpoint with this tag.
             full_format: ``"safetensors"`` or ``"torch"`` (full checkpoints).
             include_optimizer: Also put the optimizer state in a full checkpoint.
@@ -198,7 +248,7 @@ class CheckpointManager:
                 ``num_kept_partial_checkpoints``.
 
         Returns:
-            A future when ``async_save``, else ``None``.
+            The save's handle when ``async_save``, else ``None``.
 
         Raises:
             PostCommitError: (every rank) The checkpoint committed, but moving
@@ -234,44 +284,26 @@ class CheckpointManager:
         policy: RetentionPolicy | None,
         async_save: bool,
         overwrite: bool,
-    ) -> concurrent.futures.Future[None] | None:
+    ) -> AsyncSaveHandle | None:
         state = _app_state(model, optimizer)
         planner = LayoutSavePlanner(self.mesh, self.group.global_ranks())
-
-        def before_commit(store: Store) -> None:
-            if user_content is not None:
-                store.write_file(USER_CONTENT_FILE, user_content)
-            if planner.partition is not None:
-                store.write_file(PARTITION_FILE, planner.partition.to_json())
-
+        # Both steps are picklable objects, not closures: a process-based
+        # upload runs them in DCP's checkpoint process.
         writer = CheckpointWriter(
             self.checkpoints.partial_url(tag), storage_options=self.storage_options,
-            overwrite=overwrite, config=self.config, before_commit=before_commit,
-            after_commit=lambda: self._after_commit(tag, policy), compression=self.compression,
+            overwrite=overwrite, config=self.config, before_commit=_CommitFiles(user_content, planner),
+            after_commit=_PostCommit(self.checkpoints, tag, policy), compression=self.compression,
         )
         if not async_save:
             run_save(state, writer, planner, self.process_group)
             return None
-        future = start_async_save(state, writer, planner, self.process_group)
+        if self.stager is None:
+            self.stager = Stager(share_memory=self.async_uploads == "process")
+        handle = start_async_save(state, writer, planner, self.process_group, stager=self.stager,
+                                  uploads=self.async_uploads)
         with self._lock:
-            self._pending = future
-        return future
-
-    def _after_commit(self, tag: str, policy: RetentionPolicy | None) -> None:
-        """(coordinator, in the writer's ``finish``) Move ``newest``, apply retention, tidy."""
-        try:
-            self.checkpoints.set_newest(tag)
-        except DcpExtError as err:
-            raise PostCommitError(f"checkpoint {tag!r} committed, but updating newest failed: {err}") from err
-        if policy is not None:
-            try:
-                self.checkpoints.apply_retention(policy, protect={tag})
-            except DcpExtError as err:
-                raise PostCommitError(f"checkpoint {tag!r} committed, but retention failed: {err}") from err
-        try:
-            self.checkpoints.remove_leftovers(current=tag)
-        except DcpExtError as err:  # the checkpoint is committed; this is tidying
-            log.warning("could not remove leftovers under %s: %s", self.root, err)
+            self._pending = handle
+        return handle
 
     # -- resume -----------------------------------------------------------------------
     def resume(
@@ -469,6 +501,56 @@ class CheckpointManager:
         return target_store.describe(target_name)
 
 
+@dataclass(frozen=True)
+class _CommitFiles:
+    """(coordinator, the writer's ``before_commit``) Write ``user_content`` and ``partition.json``."""
+
+    user_content: bytes | None
+    planner: LayoutSavePlanner
+
+    def __call__(self, store: Store) -> None:
+        if self.user_content is not None:
+            store.write_file(USER_CONTENT_FILE, self.user_content)
+        if self.planner.partition is not None:
+            store.write_file(PARTITION_FILE, self.planner.partition.to_json())
+
+
+@dataclass(frozen=True)
+class _PostCommit:
+    """(coordinator, the writer's ``after_commit``) Move ``newest``, apply retention, tidy."""
+
+    checkpoints: CheckpointRoot
+    tag: str
+    policy: RetentionPolicy | None
+
+    def __call__(self) -> None:
+        tag = self.tag
+        try:
+            self.checkpoints.set_newest(tag)
+        except DcpExtError as err:
+            raise PostCommitError(f"checkpoint {tag!r} committed, but updating newest failed: {err}") from err
+        if self.policy is not None:
+            try:
+                self.checkpoints.apply_retention(self.policy, protect={tag})
+            except DcpExtError as err:
+                raise PostCommitError(f"checkpoint {tag!r} committed, but retention failed: {err}") from err
+        try:
+            self.checkpoints.remove_leftovers(current=tag)
+        except DcpExtError as err:  # the checkpoint is committed; this is tidying
+            log.warning("could not remove leftovers under %s: %s", self.checkpoints.url, err)
+
+
+# Managers with a save possibly in flight; each is waited for at exit, so a
+# committed save always gets its ``newest`` before the process ends.
+_LIVE_MANAGERS: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_for_saves_in_flight() -> None:
+    for manager in list(_LIVE_MANAGERS):
+        manager.wait()
+
+
 def _app_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}`` state dicts as DCP saves and loads them."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -513,7 +595,7 @@ def save_checkpoint(
     async_save: bool = False,
     storage_options: dict[str, Any] | None = None,
     **kwargs: Any,
-) -> concurrent.futures.Future[None] | None:
+) -> AsyncSaveHandle | None:
     """(all ranks) ``smp.save_checkpoint`` on DCP; see :meth:`CheckpointManager.save`.
 
     Extra keyword arguments: ``process_group``, ``mesh``, ``config``,
@@ -522,7 +604,8 @@ def save_checkpoint(
     An asynchronous save keeps its manager alive through the returned future.
     """
     manager_args = {
-        k: kwargs.pop(k) for k in ("process_group", "mesh", "config", "compression") if k in kwargs
+        k: kwargs.pop(k) for k in ("process_group", "mesh", "config", "compression", "async_uploads", "stager")
+        if k in kwargs
     }
     manager = CheckpointManager(path, storage_options=storage_options, **manager_args)
     return manager.save(

@@ -78,6 +78,14 @@ class CheckpointRoot:
         self.storage_options = dict(storage_options or {})
         self.store = open_store(self.url, self.config, self.storage_options)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The open store holds clients and sockets; a copy in another process
+        # (a process-based upload's after-commit step) opens its own.
+        return {"url": self.url, "config": self.config, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["config"], state["storage_options"])  # type: ignore[misc]
+
     def partial_url(self, tag: str) -> str:
         """Where the partial checkpoint ``tag`` lives."""
         return join_path(self.url, partial_dir(tag))

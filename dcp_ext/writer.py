@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -56,6 +57,7 @@ from .frames import FrameEncoder
 from .errors import CheckpointExistsError, DcpExtError, PostCommitError
 from .layout import DATA_SUFFIX, FileAssignment, item_nbytes
 from .save_lock import SaveLock
+from .staging import copy_state
 from .storage import TMP_MARK, Store, normalize_path, open_store
 
 __all__ = ["CheckpointWriter"]
@@ -66,7 +68,7 @@ log = logging.getLogger("dcp_ext.writer")
 _ENVELOPE_ESTIMATE = 2048
 
 
-class CheckpointWriter(StorageWriter):
+class CheckpointWriter(StorageWriter, AsyncStager):
     """Stream a DCP checkpoint to a local directory, shared POSIX or S3/fsspec.
 
     Use with stock DCP::
@@ -111,7 +113,18 @@ class CheckpointWriter(StorageWriter):
 
     Every frame of stored data gets an xxh3-64 checksum, computed as it is
     written and verified by :class:`CheckpointReader` on every read.
+
+    ``dcp.async_save(storage_writer=CheckpointWriter(...))`` without an
+    ``async_stager`` stages through :meth:`stage`: a blocking copy into fresh
+    buffers by parallel threads. Pass ``async_stager=dcp_ext.Stager()`` for
+    background staging into reused buffers. The writer pickles (without its
+    open store), so ``AsyncCheckpointerType.PROCESS`` uploads work, provided
+    ``before_commit`` and ``after_commit`` pickle too.
     """
+
+    # AsyncStager: stage() blocks until the copy is made, so DCP need not call
+    # synchronize_staging() afterwards.
+    _synchronize_after_execute = False
 
     def __init__(
         self,
@@ -165,6 +178,24 @@ class CheckpointWriter(StorageWriter):
     @property
     def checkpoint_id(self) -> str:
         return self.path
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open stores hold clients, sockets and thread pools; a copy in another
+        # process (process-based uploads) opens its own.
+        state = dict(self.__dict__)
+        state.update(_store=None, _filesystem=None, _lock=None)
+        return state
+
+    # -- AsyncStager (dcp.async_save without async_stager) ------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """(all ranks) A private CPU copy of ``state_dict`` for the background upload."""
+        return copy_state(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns a finished copy."""
+
+    def close(self) -> None:
+        """Nothing to release: staged copies belong to the save that uses them."""
 
     # -- StorageWriter --------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:

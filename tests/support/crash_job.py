@@ -1,9 +1,11 @@
 """A 2-rank training job that saves one checkpoint, for crash-consistency trials.
 
-``python -m tests.support.crash_job ROOT STEP CRASH`` (from the repository
-root) saves ``step{STEP}`` under ROOT with
-``CheckpointManager`` (FSDP2 over 2 gloo ranks, keep 2) and exits 0. CRASH
-says how to die on the way:
+``python -m tests.support.crash_job ROOT STEP CRASH [MODE]`` (from the
+repository root) saves ``step{STEP}`` under ROOT with
+``CheckpointManager`` (FSDP2 over 2 gloo ranks, keep 2) and exits 0. MODE is
+``sync`` (default) or ``async`` (``async_save=True``: the crash points then
+fire in the background upload while the training thread waits on the
+handle). CRASH says how to die on the way:
 
 * ``none``: no crash;
 * ``{rank|all}:{point}``: SIGKILL at crash point ``point`` (see
@@ -60,7 +62,7 @@ def _arm(rank: int, crash: str) -> None:
     _failpoints.reload()
 
 
-def job(rank: int, world_size: int, root: str, step: int, crash: str) -> None:
+def job(rank: int, world_size: int, root: str, step: int, crash: str, mode: str = "sync") -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -69,12 +71,28 @@ def job(rank: int, world_size: int, root: str, step: int, crash: str) -> None:
     model = make_model(step)
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     _arm(rank, crash)
-    dcp_ext.CheckpointManager(root).save(
-        f"step{step}", model, user_content={"step": step}, num_kept_partial_checkpoints=KEEP
+    manager = dcp_ext.CheckpointManager(root)
+    handle = manager.save(
+        f"step{step}", model, user_content={"step": step}, num_kept_partial_checkpoints=KEEP,
+        async_save=mode == "async",
     )
+    if handle is not None:
+        handle.staging_completion.result()
+        with torch_no_grad():  # training goes on: the checkpoint must not see this
+            for param in model.parameters():
+                param.add_(1.0)
+        handle.result()
+    manager.close()
+
+
+def torch_no_grad():  # type: ignore[no-untyped-def]
+    import torch
+
+    return torch.no_grad()
 
 
 if __name__ == "__main__":
     from tests.support.dist import run_world
 
-    run_world(2, job, sys.argv[1], int(sys.argv[2]), sys.argv[3], timeout=120.0)
+    mode = sys.argv[4] if len(sys.argv) > 4 else "sync"
+    run_world(2, job, sys.argv[1], int(sys.argv[2]), sys.argv[3], mode, timeout=120.0)

@@ -94,19 +94,20 @@ def choose_crash(rng: random.Random) -> str:
 
 
 def run_trials(root: Path, trials: int, seed: int = 0, crashes: list[str] | None = None,
-               log: Any = None) -> TortureStats:
-    """Run ``trials`` trials (or one per entry of ``crashes``) under ``root``."""
+               log: Any = None, mode: str = "sync", first_step: int = 0) -> TortureStats:
+    """Run ``trials`` trials (or one per entry of ``crashes``) under ``root``,
+    with ``sync`` or ``async`` saves, numbering steps after ``first_step``."""
     rng = random.Random(seed)
     stats = TortureStats()
     manager = dcp_ext.CheckpointManager(root)
     plan = crashes if crashes is not None else [choose_crash(rng) for _ in range(trials)]
-    step = 0
+    step = first_step
     for crash in plan:
         step += 1
         tag = f"step{step}"
         before = manager.tags()
         started = time.monotonic()
-        job = subprocess.Popen([*JOB, str(Path(root).resolve()), str(step), crash], cwd=REPO,
+        job = subprocess.Popen([*JOB, str(Path(root).resolve()), str(step), crash, mode], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         try:
             _, err = job.communicate(timeout=180)

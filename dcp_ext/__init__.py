@@ -34,7 +34,7 @@ from .errors import (
 )
 from .integrity import Problem, VerifyReport, verify
 from .layout import InvalidTagError, MeshInfo, Partition, RankPartition, TagInfo
-from .manager import CheckpointManager, ResumeResult, resume_from_checkpoint, save_checkpoint
+from .manager import CheckpointManager, ResumeResult, close_checkpoints, resume_from_checkpoint, save_checkpoint
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
 from .pretrained import FullCheckpointReader, PretrainedLoadReport, load_pretrained
 from .reader import CheckpointReader
@@ -64,6 +64,7 @@ __all__ = [
     "ResumeResult",
     "save_checkpoint",
     "resume_from_checkpoint",
+    "close_checkpoints",
     "load_pretrained",
     "PretrainedLoadReport",
     "FullCheckpointReader",

@@ -64,7 +64,7 @@ from .storage import Store, join_path, normalize_path, open_store
 from .user_content import decode_user_content, encode_user_content
 from .writer import CheckpointWriter
 
-__all__ = ["CheckpointManager", "ResumeResult", "save_checkpoint", "resume_from_checkpoint"]
+__all__ = ["CheckpointManager", "ResumeResult", "save_checkpoint", "resume_from_checkpoint", "close_checkpoints"]
 
 log = logging.getLogger("dcp_ext.manager")
 
@@ -599,19 +599,53 @@ def save_checkpoint(
     """(all ranks) ``smp.save_checkpoint`` on DCP; see :meth:`CheckpointManager.save`.
 
     Extra keyword arguments: ``process_group``, ``mesh``, ``config``,
-    ``compression`` (for the manager) and ``overwrite``, ``full_format``,
-    ``include_optimizer``, ``retention``.
-    An asynchronous save keeps its manager alive through the returned future.
+    ``compression``, ``async_uploads`` (for the manager) and ``overwrite``,
+    ``full_format``, ``include_optimizer``, ``retention``.
+
+    Calls with the same root and manager arguments share one manager for the
+    life of the process, so that a save waits for the asynchronous one in
+    flight (two saves must never run DCP's collectives at once) and
+    asynchronous saves reuse its staging buffers. :func:`close_checkpoints`
+    waits for them and frees the buffers.
     """
     manager_args = {
-        k: kwargs.pop(k) for k in ("process_group", "mesh", "config", "compression", "async_uploads", "stager")
-        if k in kwargs
+        k: kwargs.pop(k) for k in ("process_group", "mesh", "config", "compression", "async_uploads") if k in kwargs
     }
-    manager = CheckpointManager(path, storage_options=storage_options, **manager_args)
+    manager = _shared_manager(path, storage_options, manager_args)
     return manager.save(
         tag, model, optimizer, user_content, partial=partial,
         num_kept_partial_checkpoints=num_kept_partial_checkpoints, async_save=async_save, **kwargs,
     )
+
+
+# Managers of save_checkpoint(), by root and manager arguments (see there).
+_SHARED_MANAGERS: dict[tuple[Any, ...], CheckpointManager] = {}
+
+
+def _shared_manager(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None, manager_args: dict[str, Any]
+) -> CheckpointManager:
+    def identity(value: Any) -> Any:
+        # Process groups, meshes and codecs by identity: the cached manager
+        # holds them, so their ids cannot be reused while it exists.
+        return value if isinstance(value, (str, int, float, bool, type(None), IOConfig)) else ("id", id(value))
+
+    key = (
+        normalize_path(path),
+        repr(sorted((storage_options or {}).items())),
+        tuple(sorted((k, identity(v)) for k, v in manager_args.items())),
+    )
+    manager = _SHARED_MANAGERS.get(key)
+    if manager is None:
+        manager = _SHARED_MANAGERS[key] = CheckpointManager(path, storage_options=storage_options, **manager_args)
+    return manager
+
+
+def close_checkpoints() -> None:
+    """(all ranks) Wait for the saves in flight of :func:`save_checkpoint` and free their staging buffers."""
+    while _SHARED_MANAGERS:
+        _, manager = _SHARED_MANAGERS.popitem()
+        manager.close()
 
 
 def resume_from_checkpoint(

@@ -218,6 +218,18 @@ def test_manager_on_s3_and_async_save(moto_server) -> None:
         assert_same_state(model.state_dict(), fresh.state_dict())
         exported = manager.export("b")
         assert exported == f"{root}/b"
+        # save_checkpoint: calls on one root share a manager, so the second
+        # waits for the first in flight and reuses its staging buffers.
+        first = save_checkpoint(root, "e", model, optim, storage_options=options, async_save=True)
+        assert not first.done()
+        second = save_checkpoint(root, "f", model, optim, storage_options=options, async_save=True)
+        assert first.done() and first.exception() is None
+        second.staging_completion.result()
+        shared = dcp_ext.manager._SHARED_MANAGERS
+        (stager,) = [m.stager for m in shared.values() if m.root == root]
+        assert stager.last_stats.allocated_bytes == 0 and stager.buffer_bytes > 0
+        dcp_ext.close_checkpoints()
+        assert second.done() and newest() == "f" and not shared
 
 
 def test_bad_input_gets_clear_errors(tmp_path: Path) -> None:

@@ -28,7 +28,13 @@ def test_repeated_saves_do_not_grow(kind: str, tmp_path: Path, make_backend) -> 
     data = json.loads(lines[0].removeprefix("RESULT "))
     one, two, twenty = data["after1"], data["after2"], data["after20"]
     print(kind, data)
-    assert twenty["peak_rss_kib"] <= two["peak_rss_kib"] * 1.05, data
+    # RSS after each round (the model, Adam, the staging buffers) stays flat
+    # from round 2 (the first async save allocates the buffers) to round 20;
+    # the peak within a round also holds the part buffers of the uploads in
+    # flight at that moment, which vary with thread timing (S3: seen 591 to
+    # 621 MiB over 20 rounds with a flat RSS), so it gets a margin.
+    assert data["rss"][-1] <= data["rss"][1] + 16, data["rss"]
+    assert twenty["peak_rss_kib"] <= two["peak_rss_kib"] + (64 << 10), data["peaks"]
     # Threads after 20 rounds equal those after round 2 (the first async
     # save starts the manager's Stager: one staging thread and its copy
     # threads, kept for reuse); open files equal those after round 1 (S3: one

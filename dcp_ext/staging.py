@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import functools
 import logging
 import os
 import threading
@@ -122,6 +123,7 @@ class _Buffers:
         self._by_path.clear()
 
 
+@functools.cache
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor

@@ -275,19 +275,27 @@ class Stager(AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> concurrent.futures.Future[dict[str, Any]] | dict[str, Any]:
         """(every rank) Stage ``state_dict``.
 
-        The walk over the state (which tensors, which buffers, a deep copy of
-        every non-tensor value) happens here, on the caller's thread; only the
-        tensor copies run in the background.
+        With ``background``, everything (the wait for uploads still reading
+        the buffers, the walk over the state, the copies) runs on the
+        stager's thread and this returns at once; the caller must leave the
+        state, and the dict it passed, unchanged until the future resolves.
 
         Returns:
             With ``background``: a future of the staged state dict; else the staged state dict.
         """
         if self._closed:
             raise RuntimeError("this Stager is closed")
+        # Taken here, not on the stager's thread: a hold added after this
+        # call (this save's own upload) is for the next stage() to wait on.
         with self._lock:
             holds, self._holds = self._holds, []
+        if not self.background:
+            return self._stage_now(state_dict, holds)
+        return self._stage_thread.submit(self._stage_now, state_dict, holds)
+
+    def _stage_now(self, state_dict: dict[str, Any], holds: list[concurrent.futures.Future[Any]]) -> dict[str, Any]:
         started = time.perf_counter()
-        # Waiting here, before the walk, keeps a new save from touching buffers
+        # Waiting before the walk keeps a new save from touching buffers
         # that the previous upload still reads.
         concurrent.futures.wait(holds)
         waited = time.perf_counter() - started
@@ -296,16 +304,8 @@ class Stager(AsyncStager):
         self._buffers.allocated = 0
         staged = _mirror(state_dict, (), self._buffers, copies, seen)
         self._buffers.keep_only(seen)
-        allocated = self._buffers.allocated
-        if not self.background:
-            self._copy(copies, allocated, waited)
-            return staged
-
-        def run() -> dict[str, Any]:
-            self._copy(copies, allocated, waited)
-            return staged
-
-        return self._stage_thread.submit(run)
+        self._copy(copies, self._buffers.allocated, waited)
+        return staged
 
     def _copy(self, copies: list[_Copy], allocated: int, waited: float) -> None:
         started = time.perf_counter()

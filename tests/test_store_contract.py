@@ -89,6 +89,13 @@ def test_multipart_stream_round_trip(backend: Backend) -> None:
         key = store.describe("big.distcp")[len(f"s3://{bucket}/"):]
         etag = client.head_object(Bucket=bucket, Key=key)["ETag"]
         assert etag.strip('"').endswith("-3"), etag  # 5 + 5 + 3 MiB parts
+    # A stream that ends exactly on a part boundary (no short last part).
+    exact = _payload(2 * CONFIG.part_size, seed=3)
+    writer = store.open_writer("exact.distcp", size_hint=len(exact))
+    writer.write(exact[: CONFIG.part_size])
+    writer.write(exact[CONFIG.part_size:])
+    writer.commit()
+    assert store.read_file("exact.distcp") == exact
 
 
 def test_ranged_reads_merge_split_and_count(backend: Backend) -> None:

@@ -117,7 +117,7 @@ class _S3Writer(ObjectWriter):
             self._filled += take
             view = view[take:]
             if self._filled == self._part_size:
-                buffer, self._buffer = self._buffer, None
+                buffer, self._buffer, self._filled = self._buffer, None, 0
                 self._send(buffer, pooled=True)
 
     def _raise_if_failed(self) -> None:

@@ -222,3 +222,54 @@ def test_one_rank_failing_fails_every_rank_promptly(moto_server) -> None:
     assert not [n for n in names if n.endswith(("newest", "metadata.json", ".metadata"))], names
     assert names == [], names  # rank 0's committed data file was removed too
     assert client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", []) == []
+
+
+def test_one_stores_writers_share_a_bounded_part_pool(moto_server) -> None:
+    """The files a rank writes at once (model and optimizer shards) share one
+    pool of ``max_concurrency + 1`` part buffers; a writer aborted mid-file
+    gives its buffers back, so the others finish."""
+    import threading
+    import tracemalloc
+
+    from dcp_ext.storage import open_store
+
+    config = IOConfig(part_size=5 * MiB, max_concurrency=2)
+    store = open_store(f"s3://{BUCKET}/pool-{uuid.uuid4().hex[:8]}/ck", config,
+                       moto_server.storage_options())
+    store.ensure_root()
+    payloads = {name: os.urandom(4 * config.part_size + 123) for name in ("a.distcp", "b.distcp", "c.distcp")}
+    errors: list[BaseException] = []
+
+    def write(name: str) -> None:
+        try:
+            with store.open_writer(name, size_hint=len(payloads[name])) as writer:
+                view = memoryview(payloads[name])
+                for start in range(0, len(view), 3 * MiB):
+                    writer.write(view[start:start + 3 * MiB])
+                    if name == "c.distcp" and start >= 2 * config.part_size:
+                        raise RuntimeError("abort c")
+                writer.commit()
+        except RuntimeError as err:
+            if "abort c" not in str(err):
+                errors.append(err)
+        except BaseException as err:
+            errors.append(err)
+
+    tracemalloc.start()
+    try:
+        threads = [threading.Thread(target=write, args=(name,)) for name in payloads]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert not any(thread.is_alive() for thread in threads), "a writer hung waiting for a part buffer"
+    assert errors == []
+    # 3 pooled 5 MiB buffers plus ~3 MiB of HTTP clients and short last
+    # parts; a pool per writer would hold 9 buffers (45 MiB).
+    assert peak <= 4 * config.part_size, peak / MiB
+    for name in ("a.distcp", "b.distcp"):
+        assert store.read_file(name) == payloads[name]
+    assert not store.exists("c.distcp")

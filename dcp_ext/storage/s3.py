@@ -2,8 +2,10 @@
 
 * A data file is a multipart upload: ``part_size`` parts sent by up to
   ``max_concurrency`` threads. Parts are copied once, from tensor memory into
-  one of ``max_concurrency + 1`` pooled buffers, and sent from there, so a
-  file being written holds at most ``part_size * (max_concurrency + 1)`` bytes.
+  one of ``max_concurrency + 1`` pooled buffers, and sent from there. The pool
+  belongs to the store, so the files one rank writes at the same time (model
+  and optimizer shards, ``files_per_rank``) share it: together they hold at
+  most ``part_size * (max_concurrency + 1)`` bytes.
   A file smaller than one part is a single PUT. The object appears only when
   the upload completes; a failed upload is aborted.
 * Reads are ranged GETs from up to ``max_concurrency`` threads, received
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,6 +68,61 @@ def split_s3_url(url: str) -> tuple[str, str]:
     return bucket, key.strip("/")
 
 
+class _PartBuffers:
+    """Part buffers shared by every writer of one store: at most ``limit``
+    allocated at a time, reused from part to part and from file to file, and
+    dropped when the last writer is done with them.
+
+    A writer asks for a buffer only after sending its full one, so a writer
+    waiting here holds none, and the buffers it waits for are either parts in
+    flight or other writers' buffers being filled: both come back.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._cond = threading.Condition()
+        self._free: list[bytearray] = []
+        self._allocated = 0
+        self._users = 0
+
+    def join(self) -> None:
+        with self._cond:
+            self._users += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._users -= 1
+            if self._users == 0:
+                self._allocated -= len(self._free)
+                self._free.clear()
+
+    def get(self, size: int) -> bytearray:
+        with self._cond:
+            while True:
+                if self._free:
+                    buffer = self._free.pop()
+                    if len(buffer) == size:
+                        return buffer
+                    self._allocated -= 1  # another file's part size: drop it
+                    continue
+                if self._allocated < self._limit:
+                    self._allocated += 1
+                    break
+                self._cond.wait()
+        try:
+            return bytearray(size)
+        except BaseException:
+            with self._cond:
+                self._allocated -= 1
+                self._cond.notify()
+            raise
+
+    def put(self, buffer: bytearray) -> None:
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify()
+
+
 class _S3Writer(ObjectWriter):
     """Multipart upload from pooled buffers with a bounded number of parts in flight."""
 
@@ -81,13 +137,15 @@ class _S3Writer(ObjectWriter):
             part_size = max(part_size, math.ceil(size_hint / (_MAX_PARTS * 0.9)))
         self._part_size = part_size
         self._slots = store.config.max_concurrency
-        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        self._allocated = 0
+        self._buffers = store._part_buffers
+        self._buffers.join()
+        self._left_pool = False
         self._buffer: bytearray | None = None
         self._filled = 0
         self._upload_id: str | None = None
         self._etags: dict[int, str] = {}
-        self._futures: list[Future[None]] = []
+        self._futures: list[Future[None]] = []  # parts in flight or not yet waited for
+        self._parts = 0
         self._pool: ThreadPoolExecutor | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -95,14 +153,8 @@ class _S3Writer(ObjectWriter):
 
     # -- buffers ------------------------------------------------------------
     def _next_buffer(self) -> bytearray:
-        """A free part buffer; blocks while ``max_concurrency`` parts are in flight."""
-        if self._allocated <= self._slots:
-            try:
-                return self._free.get_nowait()
-            except queue.Empty:
-                self._allocated += 1
-                return bytearray(self._part_size)
-        return self._free.get()
+        """A free part buffer; blocks while the store's buffers are all in use."""
+        return self._buffers.get(self._part_size)
 
     def write(self, data: memoryview | bytes | bytearray) -> None:
         self._raise_if_failed()
@@ -137,14 +189,18 @@ class _S3Writer(ObjectWriter):
             )
             self._upload_id = response["UploadId"]
             self._pool = ThreadPoolExecutor(self._slots, thread_name_prefix="dcp_ext-upload")
-        number = len(self._futures) + 1
+        number = self._parts + 1
         if number > _MAX_PARTS:
             raise StorageError(
                 f"{self._where} needs more than {_MAX_PARTS} parts; raise IOConfig.part_size",
                 self._where,
             )
         assert self._pool is not None
-        self._futures.append(self._pool.submit(self._upload_part, number, body, pooled))
+        future = self._pool.submit(self._upload_part, number, body, pooled)
+        if pooled:  # a part cancelled before it ran gives its buffer back here
+            future.add_done_callback(lambda f: self._buffers.put(body) if f.cancelled() else None)
+        self._futures.append(future)
+        self._parts = number
 
     def _upload_part(self, number: int, body: bytearray, pooled: bool) -> None:
         store = self._store
@@ -163,7 +219,7 @@ class _S3Writer(ObjectWriter):
             raise
         finally:
             if pooled:
-                self._free.put(body)
+                self._buffers.put(body)
 
     def _wait(self) -> None:
         for future in self._futures:
@@ -171,6 +227,8 @@ class _S3Writer(ObjectWriter):
                 future.result()
             except BaseException:
                 pass  # the first error is kept in self._error
+        # Done futures keep their callbacks, and those their part buffers.
+        self._futures.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -214,12 +272,13 @@ class _S3Writer(ObjectWriter):
         self._upload_id = None
 
     def _release_buffers(self) -> None:
-        self._buffer = None
-        while True:
-            try:
-                self._free.get_nowait()
-            except queue.Empty:
-                break
+        if self._left_pool:
+            return
+        self._left_pool = True
+        if self._buffer is not None:
+            self._buffers.put(self._buffer)
+            self._buffer = None
+        self._buffers.leave()
 
     def abort(self) -> None:
         if self._done:
@@ -260,6 +319,7 @@ class S3Store(Store):
         self.bucket, self.prefix = split_s3_url(url)
         self.connection: S3Connection = get_connection(storage_options, config)
         self._bucket_checked = False
+        self._part_buffers = _PartBuffers(config.max_concurrency + 1)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name

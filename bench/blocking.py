@@ -68,6 +68,19 @@ shown apart. The last save of a run has no next step: its wait for staging is
 taken in the drain, without compute to overlap, and is left out of the
 until-mutable median.
 
+Peak RSS, measured apart: with glibc's default allocator, memory that the
+training loop frees (FSDP's all-gathered layers, gradients, the clone above)
+stays in its heaps, so a rank's peak RSS follows allocation history more than
+what is live (the no-checkpoint runs peak 2.6-3.2 GiB for 0.5 GiB of state).
+After the timed worlds, ``--memory-steps`` steps (default 30, a save every
+``--every``) of "no checkpoint", dcp_ext background staging and torch
+``DefaultStager`` run once more per storage kind with
+``MALLOC_MMAP_THRESHOLD_=65536`` in the ranks' environment: every allocation
+of 64 KiB or more is its own mapping, returned to the system when freed, so
+RSS is what is live. These runs are slower (every big allocation faults its
+pages in afresh), so their times are not reported; their peak RSS is, against
+the no-checkpoint run of the same setting.
+
 Results: ``bench/results/blocking-<date>.json`` (machine facts, parameters,
 every raw sample) and the tables between the ``blocking`` markers of
 ``bench/README.md``.
@@ -103,6 +116,10 @@ GiB = 1 << 30
 BUCKET = "bench"
 BATCH = 4
 FP32 = 4
+
+# The memory worlds (see the module docstring): these systems, with this allocator setting.
+MEMORY_SYSTEMS = ["none", "dcp_ext_background", "torch_default_stager"]
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 # name -> label; "none" first, then the checkpointing systems in table order.
 SYSTEMS: dict[str, str] = {
@@ -416,9 +433,12 @@ def storage(kind: str, workdir: Path, name: str) -> Iterator[tuple[str, dict[str
         shutil.rmtree(data, ignore_errors=True)
 
 
-def schedule(kinds: list[str], repeats: int, seed: int) -> list[list[tuple[str, str]]]:
+def schedule(kinds: list[str], repeats: int, seed: int, systems: list[str] | None = None,
+             ) -> list[list[tuple[str, str]]]:
     """Per round, the (system, storage) runs in a seeded shuffled order; "none" once per round."""
-    runs = [("none", "-")] + [(system, kind) for kind in kinds for system in CHECKPOINTING]
+    chosen = systems or list(SYSTEMS)
+    runs = [("none", "-")] if "none" in chosen else []
+    runs += [(system, kind) for kind in kinds for system in CHECKPOINTING if system in chosen]
     rounds = []
     for round_no in range(repeats):
         order = list(runs)
@@ -427,18 +447,40 @@ def schedule(kinds: list[str], repeats: int, seed: int) -> list[list[tuple[str, 
     return rounds
 
 
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` (so in the ranks spawned meanwhile), restored afterwards."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def run_all(args: argparse.Namespace, width: int, workdir: Path) -> list[dict[str, Any]]:
-    """Every world of every round; one record per world with every rank's results."""
+    """Every world of every round, then the memory worlds; one record per world
+    with every rank's results (``memory``: a memory world)."""
+    runs = [(round_no, system, kind, False)
+            for round_no, order in enumerate(schedule(args.kinds, args.repeats, args.seed, args.systems))
+            for system, kind in order]
+    if args.memory_steps:
+        runs += [(0, system, kind, True)
+                 for system, kind in schedule(args.kinds, 1, args.seed, MEMORY_SYSTEMS)[0]]
     worlds = []
-    for round_no, order in enumerate(schedule(args.kinds, args.repeats, args.seed)):
-        for system, kind in order:
-            with storage(kind, workdir, f"{system}-{kind}-r{round_no}") as (root, options):
-                cfg = {"system": system, "root": root, "options": options, "width": width, "layers": args.layers,
-                       "steps": args.steps, "every": args.every}
-                ranks = run_world(2, train_world, cfg, timeout=args.world_timeout,
-                                  collective_timeout=args.world_timeout)
-            worlds.append({"round": round_no, "system": system, "kind": kind, "ranks": ranks})
-            print(_progress_line(worlds[-1]), flush=True)
+    for round_no, system, kind, memory in runs:
+        name = f"{system}-{kind}-{'mem' if memory else f'r{round_no}'}"
+        with storage(kind, workdir, name) as (root, options), environment(MEMORY_ENV if memory else {}):
+            cfg = {"system": system, "root": root, "options": options, "width": width, "layers": args.layers,
+                   "steps": args.memory_steps if memory else args.steps, "every": args.every}
+            ranks = run_world(2, train_world, cfg, timeout=args.world_timeout,
+                              collective_timeout=args.world_timeout)
+        worlds.append({"round": round_no, "system": system, "kind": kind, "memory": memory, "ranks": ranks})
+        print(_progress_line(worlds[-1]), flush=True)
     return worlds
 
 
@@ -447,7 +489,7 @@ def _progress_line(world: dict[str, Any]) -> str:
     blocked = ", ".join(f"{s['blocked'] * 1e3:.0f}" for s in saves)
     mutable = ", ".join(f"{s['until_mutable'] * 1e3:.0f}" for s in saves)
     r0 = world["ranks"][0]
-    return (f"  round {world['round']} {world['system']:22s} {world['kind']:5s} wall {r0['wall']:.2f}s "
+    return (f"  {'memory ' if world['memory'] else ''}round {world['round']} {world['system']:22s} {world['kind']:5s} wall {r0['wall']:.2f}s "
             f"drain {r0['drain']:.2f}s clone {max(r['clone_seconds'] for r in world['ranks']) * 1e3:.0f} ms; "
             f"blocked ms [{blocked}] until mutable ms [{mutable}]; peak RSS MiB "
             f"{[round(r['rss_peak'] / MiB) for r in world['ranks']]}")
@@ -463,12 +505,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="rounds (every system once per round)")
     parser.add_argument("--only", choices=["local", "s3"], help="one storage kind only")
     parser.add_argument("--seed", type=int, default=1, help="seed of the run order")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="comma-separated systems of the timed worlds (of: " + ", ".join(SYSTEMS) + ")")
+    parser.add_argument("--memory-steps", type=int, default=30,
+                        help="steps of each memory world (0: no memory worlds)")
     parser.add_argument("--workdir", default=None,
                         help="scratch directory for local checkpoints and SeaweedFS data (None: a new one in /tmp)")
     parser.add_argument("--world-timeout", type=float, default=3600.0, help="seconds before a world is killed")
     parser.add_argument("--no-readme", action="store_true", help="do not render into bench/README.md")
     args = parser.parse_args(argv)
     args.kinds = [args.only] if args.only else ["local", "s3"]
+    args.systems = [name.strip() for name in args.systems.split(",") if name.strip()]
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
     width = layer_width(parse_size(args.state_size), args.layers)
     owned = args.workdir is None
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dcp_ext_blocking_")).resolve()
@@ -479,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(), "command": command, "machine": machine_info(workdir),
         "params": {"state_size": parse_size(args.state_size), "layers": args.layers, "width": width,
                    "batch": BATCH, "steps": args.steps, "every": args.every, "repeats": args.repeats,
-                   "kinds": args.kinds, "seed": args.seed, "world_size": 2},
+                   "kinds": args.kinds, "seed": args.seed, "world_size": 2, "systems": args.systems,
+                   "memory_steps": args.memory_steps, "memory_env": MEMORY_ENV},
         "systems": SYSTEMS,
     }
     print(f"{command}\nworkdir {workdir}; {args.layers} x Linear({width}, {width}); "
@@ -515,12 +566,12 @@ def per_save(world: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def summarize(record: dict[str, Any]) -> dict[str, Any]:
-    """Per (system, storage): medians (seconds) over the steady-state saves, the
-    first saves, wall times and peak RSS; plus the clone reference and state size."""
+def summarize(worlds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per (system, storage) of ``worlds``: medians (seconds) over the steady-state
+    saves, the first saves, wall times and peak RSS; plus the clone reference and state size."""
     med = statistics.median
     rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for world in record["worlds"]:
+    for world in worlds:
         row = rows.setdefault((world["system"], world["kind"]), {"saves": [], "first": [], "wall": [],
                                                                  "drain": [], "rss": []})
         saves = per_save(world)
@@ -542,10 +593,10 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
             "rss_peak": [max(w[k][0] for w in row["rss"]) for k in range(2)],
             "rss_start": [max(w[k][1] for w in row["rss"]) for k in range(2)],
         }
-    ranks = [r for w in record["worlds"] for r in w["ranks"]]
+    ranks = [r for w in worlds for r in w["ranks"]]
     return {
         "rows": out,
-        "clone": med([max(r["clone_seconds"] for r in w["ranks"]) for w in record["worlds"]]),
+        "clone": med([max(r["clone_seconds"] for r in w["ranks"]) for w in worlds]),
         "state_bytes": max(r["state_bytes"] for r in ranks),
         "torch_threads": sorted({r["torch_threads"] for r in ranks}),
     }
@@ -555,8 +606,10 @@ def _ms(seconds: float | None) -> str:
     return "–" if seconds is None else f"{seconds * 1e3:,.0f}"
 
 
-def targets(summary: dict[str, Any], kinds: list[str]) -> list[tuple[str, str, str, bool]]:
-    """(target, measured, threshold, met) rows, per storage kind."""
+def targets(summary: dict[str, Any], kinds: list[str], memory: dict[str, Any] | None = None,
+            ) -> list[tuple[str, str, str, bool]]:
+    """(target, measured, threshold, met) rows, per storage kind; peak RSS from
+    the ``memory`` worlds' summary when there is one."""
     rows = summary["rows"]
     state = summary["state_bytes"]
     out = []
@@ -585,18 +638,21 @@ def targets(summary: dict[str, Any], kinds: list[str]) -> list[tuple[str, str, s
                         f"{'FileSystemWriter' if kind == 'local' else 'FsspecWriter'}",
                         f"{ratio:.2f}× ({_ms(copy['blocked'])} / {_ms(torch_fs['blocked'])} ms)", "≤ 1.0×",
                         ratio <= 1.0))
-        out += rss_targets(kind, bg, rows.get(("none", "-")), state)
+        source = memory["rows"] if memory else rows
+        if ("dcp_ext_background", kind) in source:
+            out += rss_targets(kind, source[("dcp_ext_background", kind)], source.get(("none", "-")), state,
+                               "memory runs" if memory else "timed runs")
     return out
 
 
-def rss_targets(kind: str, bg: dict[str, Any], none: dict[str, Any] | None, state: int,
+def rss_targets(kind: str, bg: dict[str, Any], none: dict[str, Any] | None, state: int, where: str,
                 ) -> list[tuple[str, str, str, bool]]:
     """Peak RSS of the background-staging runs against 2 × state + 256 MiB per rank: as
     measured, above the RSS before the model existed, and (a reading of the target)
     what checkpointing adds to the no-checkpoint runs' peak, against state + 256 MiB."""
     budget = 2 * state + 256 * MiB
     both = lambda values: " / ".join(f"{v / MiB:,.0f}" for v in values) + " MiB"  # noqa: E731
-    label = f"{kind}: background staging, peak RSS rank 0 / 1"
+    label = f"{kind}: background staging, peak RSS rank 0 / 1 ({where})"
     above = [peak - start for peak, start in zip(bg["rss_peak"], bg["rss_start"])]
     out = [(label, both(bg["rss_peak"]), f"≤ {budget / MiB:,.0f} MiB (2 × state + 256 MiB)",
             max(bg["rss_peak"]) <= budget),
@@ -610,9 +666,30 @@ def rss_targets(kind: str, bg: dict[str, Any], none: dict[str, Any] | None, stat
     return out
 
 
+def memory_table(memory: dict[str, Any], p: dict[str, Any], state: int) -> list[str]:
+    """Markdown lines: peak RSS of the memory worlds (``MALLOC_MMAP_THRESHOLD_``)."""
+    rows = memory["rows"]
+    none = rows.get(("none", "-"))
+    env = " ".join(f"{k}={v}" for k, v in p.get("memory_env", MEMORY_ENV).items())
+    lines = ["", f"#### Peak RSS with `{env}` ({p['memory_steps']} steps, a save every {p['every']})", "",
+             "Freed memory goes back to the system at once, so RSS is what is live: the state "
+             f"({state / MiB:,.0f} MiB per rank), gradients, FSDP's all-gathered layers, the runtime, and what "
+             "checkpointing holds (staging buffers, upload buffers).", "",
+             "| system | storage | peak RSS rank 0 / 1 (MiB) | above the no-checkpoint run's peak (MiB) |",
+             "|---|---|---:|---:|"]
+    for (system, kind), row in sorted(rows.items(), key=lambda item: (MEMORY_SYSTEMS.index(item[0][0]), item[0][1])):
+        added = "–" if none is None or system == "none" else " / ".join(
+            f"{(peak - base) / MiB:,.0f}" for peak, base in zip(row["rss_peak"], none["rss_peak"]))
+        lines.append(f"| {SYSTEMS[system]} | {kind} | "
+                     f"{row['rss_peak'][0] / MiB:,.0f} / {row['rss_peak'][1] / MiB:,.0f} | {added} |")
+    return lines
+
+
 def render(record: dict[str, Any]) -> str:
     """Markdown: the conditions, one table per storage kind, the targets."""
-    summary = summarize(record)
+    summary = summarize([w for w in record["worlds"] if not w.get("memory")])
+    memory_worlds = [w for w in record["worlds"] if w.get("memory")]
+    memory = summarize(memory_worlds) if memory_worlds else None
     p, m = record["params"], record["machine"]
     rows = summary["rows"]
     state = summary["state_bytes"]
@@ -659,8 +736,10 @@ def render(record: dict[str, Any]) -> str:
                 f"{_ms(row['wait_staging'])} | **{_ms(row['until_mutable'])}** | {_ms(row['staging_done_after'])} | "
                 f"{_ms(row['wait_upload'])} | {row['wall']:.2f} | {vs} | {row['drain']:.2f} | "
                 f"{row['rss_peak'][0] / MiB:,.0f} / {row['rss_peak'][1] / MiB:,.0f} |")
+    if memory is not None:
+        lines += memory_table(memory, p, state)
     lines += ["", "#### Targets (same run)", "", "| target | measured | threshold | met |", "|---|---|---|---|"]
-    lines += [f"| {t} | {v} | {th} | {'✅' if ok else '❌'} |" for t, v, th, ok in targets(summary, p["kinds"])]
+    lines += [f"| {t} | {v} | {th} | {'✅' if ok else '❌'} |" for t, v, th, ok in targets(summary, p["kinds"], memory)]
     start = max(r for row in rows.values() for r in row["rss_start"])
     lines += ["", f"RSS before the model existed (Python, torch, gloo; highest rank and run): {start / MiB:,.0f} MiB."]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ Each entry point (``dcp_ext.save``/``load``, the manager's saves and resumes,
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -101,13 +102,18 @@ class AsyncSaveHandle(concurrent.futures.Future):  # type: ignore[type-arg]
             old and new values.
         upload_completion: Done when the checkpoint has committed (the same
             moment as the handle; DCP's name, for code written against
-            ``AsyncSaveResponse``).
+            ``AsyncSaveResponse``). For a tiered save: committed in the
+            local tier of every node.
+        persist_completion: Tiered saves that are persisted: done when the
+            checkpoint has been drained to the persistent root (committed
+            there, its ``newest`` moved); ``None`` otherwise.
     """
 
     def __init__(self, staging_completion: concurrent.futures.Future[None]) -> None:
         super().__init__()
         self.staging_completion = staging_completion
         self.upload_completion: concurrent.futures.Future[None] = self
+        self.persist_completion: concurrent.futures.Future[None] | None = None
 
 
 def _done_future() -> concurrent.futures.Future[None]:
@@ -144,8 +150,9 @@ def start_async_save(
     kinds = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
     if uploads not in kinds:
         raise ValueError(f"uploads must be 'thread' or 'process', got {uploads!r}")
+    deferred = stager.deferred() if stager is not None else contextlib.nullcontext()
     try:
-        with gc_paused(), torch_notices_quieted():
+        with gc_paused(), torch_notices_quieted(), deferred:
             response = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=process_group,
                                       async_stager=stager, async_checkpointer_type=kinds[uploads])
     except BaseException as exc:

@@ -196,12 +196,33 @@ def _open_root(url: str, options: dict[str, Any]) -> CheckpointRoot:
     return root
 
 
+def _local_tiers(dirs: list[str]) -> list[tuple[str, set[str]]]:
+    """``(label, committed tags)`` of each local-tier directory."""
+    out = []
+    for directory in dirs:
+        tier = CheckpointRoot(normalize_path(directory), IOConfig.from_env())
+        if not tier.exists():
+            raise CheckpointNotFoundError(f"local tier {directory} does not exist", directory)
+        out.append((f"local:{directory}", {t.tag for t in tier.committed()}))
+    return out
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     options = _options(args)
     root = _open_root(args.root, options)
     store = root.store
     newest = root.newest_record()
     entries = [_partial_entry(root.url, tag, newest, options) for tag in root.partial_tags()]
+    if args.local_tier:
+        tiers = _local_tiers(args.local_tier)
+        for entry in entries:
+            entry["tiers"] = (["persistent"] if entry["state"] == "committed" else []) + [
+                label for label, tags in tiers if entry["tag"] in tags]
+        listed = {e["tag"] for e in entries}
+        for tag in sorted({t for _, tags in tiers for t in tags} - listed):
+            entries.append({"tag": tag, "state": "committed (local tiers only)", "newest": False,
+                            "stored_bytes": None, "ratio": None, "world_size": None, "mesh": None, "created": None,
+                            "tiers": [label for label, tags in tiers if tag in tags]})
     entries += [e for name in root.full_candidates() if (e := _full_checkpoint_entry(store, name))]
     if args.json:
         print(json.dumps({"root": store.describe(), "newest": newest, "checkpoints": entries}, indent=1))
@@ -209,7 +230,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not entries:
         print(f"no checkpoints under {store.describe()}")
         return 0
-    rows = [["tag", "state", "newest", "stored", "ratio", "world", "mesh", "created"]]
+    rows = [["tag", "state", "newest", "stored", "ratio", "world", "mesh", "created"]
+            + (["tiers"] if args.local_tier else [])]
     for e in entries:
         state = f"full ({e['format']})" if e["state"] == "full" else e["state"]
         rows.append([
@@ -219,7 +241,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             str(e["world_size"] or ""),
             "x".join(f"{k}={v}" for k, v in e["mesh"].items()) if e["mesh"] else "",
             _created(e["created"]),
-        ])
+        ] + ([", ".join(e.get("tiers", []))] if args.local_tier else []))
     print(_table(rows))
     return 0
 
@@ -253,7 +275,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return _verify_full(path, options)
     bar = _ProgressBar("verifying", args.quiet)
     try:
-        report = verify(path, storage_options=options, progress=bar)
+        report = verify(path, storage_options=options, progress=bar, present_only=args.local_copy)
     finally:
         bar.close()
     print(report)
@@ -333,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("ls", help="list the checkpoints under a root")
     p.add_argument("root", help="checkpoint root: local path or s3://bucket/prefix")
     p.add_argument("--json", action="store_true", help="one JSON object per checkpoint, sizes in bytes")
+    p.add_argument("--local-tier", action="append", default=[], metavar="DIR",
+                   help="a node's local-tier directory (repeatable): show which tiers hold each tag")
     storage(p)
     p = commands.add_parser("inspect", help="keys, dtypes, shapes, shards, stored bytes, codecs")
     p.add_argument("checkpoint", help="ROOT/{tag}_partial, a dcp_ext.save path, or a full checkpoint file")
@@ -341,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("verify", help="check every checksum; exit 1 on damage")
     p.add_argument("checkpoint", help="ROOT/{tag}_partial, a dcp_ext.save path, or a full checkpoint file")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.add_argument("--local-copy", action="store_true",
+                   help="a node's copy in a local tier: check the files it has, list the others as absent")
     storage(p)
     p = commands.add_parser("export", help="write a full single-file checkpoint from a partial one")
     p.add_argument("checkpoint", help="ROOT/{tag}_partial")

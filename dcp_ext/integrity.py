@@ -69,6 +69,8 @@ class VerifyReport:
         unchecked_items: Items stored without checksums (written before
             dcp_ext recorded them); their bytes were not checked.
         problems: Every damaged range found; empty when the checkpoint is intact.
+        absent_files: With ``present_only``: data files not in this copy
+            (another node's files in a node's local tier); not problems.
     """
 
     path: str
@@ -77,6 +79,7 @@ class VerifyReport:
     bytes_checked: int
     unchecked_items: int
     problems: tuple[Problem, ...]
+    absent_files: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -89,6 +92,8 @@ class VerifyReport:
         )
         if self.unchecked_items:
             head += f", {self.unchecked_items} items without checksums"
+        if self.absent_files:
+            head += f", {len(self.absent_files)} files not in this copy"
         if self.ok:
             return head + ": OK"
         return head + f": {len(self.problems)} problem(s)\n" + "\n".join(f"  {p}" for p in self.problems)
@@ -128,6 +133,7 @@ def verify(
     storage_options: dict[str, Any] | None = None,
     config: IOConfig | None = None,
     progress: Callable[[int, int], None] | None = None,
+    present_only: bool = False,
 ) -> VerifyReport:
     """Check every stored frame of a checkpoint against its checksum.
 
@@ -140,6 +146,10 @@ def verify(
         storage_options: fsspec/s3fs options.
         config: I/O tunables.
         progress: Called with ``(bytes done, bytes total)`` after each batch.
+        present_only: Check the data files that are there and list the
+            missing ones as absent instead of damaged: for one node's copy
+            in a local tier, which holds only that node's (and its
+            partner's) files.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is False if anything is damaged.
@@ -162,12 +172,16 @@ def verify(
 
     # Files that are missing or shorter than recorded.
     readable: dict[str, list[tuple[MetadataIndex, StoredItem]]] = {}
+    absent: list[str] = []
     for name in sorted(decoded.files):
         entries = sorted(by_file.get(name, []), key=lambda e: e[1].offset)
         recorded = decoded.files[name]
         try:
             actual = store.size(name)
         except CheckpointNotFoundError:
+            if present_only:
+                absent.append(name)
+                continue
             problems.append(
                 Problem(name, 0, recorded, tuple(_key(i) for i, _ in entries), "file is missing")
             )
@@ -240,8 +254,8 @@ def verify(
                 add(index, item, region, functools.partial(_check_envelope, expected))
     run_batch()
     return VerifyReport(
-        store.url, len(decoded.files), frames, done, unchecked,
-        tuple(sorted(problems, key=lambda p: (p.file, p.start))),
+        store.url, len(decoded.files) - len(absent), frames, done, unchecked,
+        tuple(sorted(problems, key=lambda p: (p.file, p.start))), tuple(absent),
     )
 
 

@@ -43,6 +43,8 @@ __all__ = [
     "PARTIAL_SUFFIX",
     "KIND_FILES",
     "kind_of",
+    "item_kind",
+    "REPLICATED_KIND",
     "DATA_SUFFIX",
     "data_file_name",
     "FileAssignment",
@@ -113,6 +115,20 @@ def kind_of(fqn: str) -> str:
     return KIND_FILES.get(fqn.split(".", 1)[0], _OTHER_KIND)
 
 
+#: Tiered saves put every item that is not a shard of a sharded tensor (plain
+#: tensors, which DCP saves once for all ranks, and non-tensor values) into
+#: a file of this kind, which every node's local tier gets a copy of.
+REPLICATED_KIND = "replicated"
+
+
+def item_kind(item: WriteItem, replicated_apart: bool = False) -> str:
+    """The data-file stem of a saved item: :func:`kind_of` its key, or
+    :data:`REPLICATED_KIND` for a non-shard item when ``replicated_apart``."""
+    if replicated_apart and item.type != WriteItemType.SHARD:
+        return REPLICATED_KIND
+    return kind_of(item.index.fqn)
+
+
 def data_file_name(kind: str, position: str) -> str:
     """The data file of one kind written at one rank position: ``model_rank3.distcp``.
 
@@ -131,12 +147,14 @@ class FileAssignment:
         prefix: File names are ``{prefix}{k}.distcp`` for ``k`` in
             ``range(files_per_rank)``, unless ``by_kind`` is given.
         by_kind: ``(kind, file name)`` pairs: each item goes to the file of
-            its kind (:func:`kind_of`), one file per kind (used by
+            its kind (:func:`item_kind`), one file per kind (used by
             :class:`dcp_ext.planners.LayoutSavePlanner`).
+        replicated_apart: Non-shard items go to the :data:`REPLICATED_KIND` file.
     """
 
     prefix: str = ""
     by_kind: tuple[tuple[str, str], ...] = ()
+    replicated_apart: bool = False
 
     def files_for(self, items: list[WriteItem], files_per_rank: int) -> list[tuple[str, list[WriteItem]]]:
         """``(file name, items)`` for each file this rank writes."""
@@ -144,7 +162,7 @@ class FileAssignment:
             names = dict(self.by_kind)
             groups: dict[str, list[WriteItem]] = {}
             for item in items:
-                kind = kind_of(item.index.fqn)
+                kind = item_kind(item, self.replicated_apart)
                 if kind not in names:
                     raise ValueError(f"no data file assigned for {item.index.fqn!r} (kind {kind!r})")
                 groups.setdefault(names[kind], []).append(item)
@@ -255,11 +273,21 @@ class RankPartition:
 
 @dataclass(frozen=True)
 class Partition:
-    """The partition decision of a save, stored as ``partition.json``."""
+    """The partition decision of a save, stored as ``partition.json``.
+
+    Attributes:
+        world_size: Ranks that saved.
+        mesh: Their device mesh, if named.
+        ranks: What each rank wrote.
+        nodes: Tiered saves: the node of each rank (empty otherwise).
+        partners: Tiered saves with replicas: the node keeping each node's replicas.
+    """
 
     world_size: int
     mesh: MeshInfo | None
     ranks: tuple[RankPartition, ...] = field(default=())
+    nodes: tuple[int, ...] = ()
+    partners: tuple[int, ...] = ()
 
     def to_json(self) -> bytes:
         return json.dumps(
@@ -279,6 +307,8 @@ class Partition:
                      "keys": {k: list(v) for k, v in r.keys.items()}}
                     for r in self.ranks
                 ],
+                **({"nodes": list(self.nodes)} if self.nodes else {}),
+                **({"partners": list(self.partners)} if self.partners else {}),
             },
             separators=(",", ":"),
         ).encode()
@@ -308,7 +338,9 @@ class Partition:
                 )
                 for r in doc["ranks"]
             )
-            return cls(int(doc["world_size"]), mesh, ranks)
+            nodes = tuple(int(n) for n in doc.get("nodes", ()))
+            partners = tuple(int(n) for n in doc.get("partners", ()))
+            return cls(int(doc["world_size"]), mesh, ranks, nodes, partners)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise CheckpointCorruptError(f"{where} is not a valid partition record: {err}", where) from err
 

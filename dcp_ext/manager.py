@@ -35,6 +35,7 @@ returned :class:`~dcp_ext.AsyncSaveHandle` has DCP's two futures:
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import logging
 import os
 import threading
@@ -53,6 +54,7 @@ from .errors import CheckpointExistsError, CheckpointNotFoundError, DcpExtError,
 from .full import save_full
 from .layout import PARTITION_FILE, USER_CONTENT_FILE, MeshInfo, Partition, TagInfo, user_content_name, validate_tag
 from .metadata import METADATA_FILE
+from .nodes import NodeMap
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
 from .pretrained import load_pretrained
 from .process_group import GroupView
@@ -61,6 +63,8 @@ from .retention import KeepLast, RetentionPolicy
 from .root import CheckpointRoot
 from .staging import Stager
 from .storage import Store, join_path, normalize_path, open_store
+from .storage.tiered import TieredStore
+from .tiers import LocalTier, RestorePlan, drain, plan_restore, raise_if_any
 from .user_content import decode_user_content, encode_user_content
 from .writer import CheckpointWriter
 
@@ -117,6 +121,19 @@ class CheckpointManager:
             background staging, shared-memory buffers for ``"process"``
             uploads). Its buffers hold one copy of the state per rank until
             :meth:`close`.
+        local_tier: This node's local-tier directory (NVMe, ``/dev/shm``;
+            each rank passes its own node's path): partial saves commit
+            there first and reach ``root`` only when persisted (see
+            :mod:`dcp_ext.tiers`). Which ranks share a node:
+            :mod:`dcp_ext.nodes` (``DCP_EXT_NODE_RANK`` overrides). Creating
+            the manager is then collective.
+        persist_every: With ``local_tier``: drain every N-th save to ``root``
+            in the background (``0``: only saves asked with ``persist=True``).
+        keep_local: With ``local_tier``: keep this many newest tags in each
+            local tier (``None``: keep all); a tag still draining is kept.
+        replicas: With ``local_tier``: ``1`` to also keep each node's data
+            files in its partner node's tier (sent over the process group),
+            so that a node whose tier is lost restores from its partner.
 
     Attributes:
         checkpoints: The :class:`~dcp_ext.root.CheckpointRoot` (tags, ``newest``, deletion).
@@ -136,9 +153,19 @@ class CheckpointManager:
         retention: RetentionPolicy | None = None,
         async_uploads: str = "thread",
         stager: Stager | None = None,
+        local_tier: str | os.PathLike[str] | None = None,
+        persist_every: int = 10,
+        keep_local: int | None = 2,
+        replicas: int = 0,
     ) -> None:
         if async_uploads not in ("thread", "process"):
             raise ValueError(f"async_uploads must be 'thread' or 'process', got {async_uploads!r}")
+        if persist_every < 0:
+            raise ValueError(f"persist_every must be >= 0, got {persist_every}")
+        if keep_local is not None and keep_local < 1:
+            raise ValueError(f"keep_local must be >= 1 or None, got {keep_local}")
+        if replicas not in (0, 1):
+            raise ValueError(f"replicas must be 0 or 1, got {replicas}")
         self.root = normalize_path(root)
         self.compression = resolve_codec(compression)
         self.storage_options = dict(storage_options or {})
@@ -156,6 +183,28 @@ class CheckpointManager:
         _LIVE_MANAGERS.add(self)
         self.last_load_planner: LayoutLoadPlanner | None = None
         self.last_reader: CheckpointReader | None = None
+        self.last_restore_plan: RestorePlan | None = None
+        self.persist_every = persist_every
+        self.keep_local = keep_local
+        self.replicas = replicas
+        self.local: LocalTier | None = None
+        self._saves = 0
+        self._draining: set[str] = set()
+        self._last_drain: concurrent.futures.Future[None] | None = None
+        if local_tier is not None:
+            self._set_up_tiers(normalize_path(local_tier))
+
+    def _set_up_tiers(self, local_tier: str) -> None:
+        import torch.distributed as dist
+
+        self.local = LocalTier(local_tier, self.config, NodeMap.gather(self.group), self.group)
+        # Drains run their collectives while later saves run theirs: a group of their own.
+        self._drain_group = None
+        if self.group.distributed:
+            ranks = self.group.global_ranks() or list(range(dist.get_world_size()))
+            self._drain_group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        self._drains = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-drain")
+        self._tier_steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-tiers")
 
     # -- queries (any rank) ------------------------------------------------------------
     def committed(self) -> list[TagInfo]:
@@ -192,9 +241,24 @@ class CheckpointManager:
             except BaseException as err:  # reported by that save's own handle
                 log.warning("the previous asynchronous save failed: %s", err)
 
-    def close(self) -> None:
-        """(all ranks) Wait for a save in flight, then free the staging buffers of the manager's own stager."""
+    def wait_for_persist(self) -> None:
+        """(all ranks) :meth:`wait`, then wait for the drains to the persistent root (tiered saves)."""
         self.wait()
+        with self._lock:
+            last, self._last_drain = self._last_drain, None
+        if last is not None:
+            try:
+                last.result()
+            except BaseException as err:  # reported by that save's own handle
+                log.warning("the last drain to %s failed: %s", self.root, err)
+
+    def close(self) -> None:
+        """(all ranks) Wait for a save (and drain) in flight, then free the
+        staging buffers of the manager's own stager."""
+        self.wait_for_persist()
+        if self.local is not None:
+            self._drains.shutdown(wait=True)
+            self._tier_steps.shutdown(wait=True)
         if self.stager is not None and self._own_stager:
             self.stager.close()
             self.stager = None
@@ -219,6 +283,7 @@ class CheckpointManager:
         full_format: str = "safetensors",
         include_optimizer: bool = False,
         retention: RetentionPolicy | None = None,
+        persist: bool = False,
     ) -> AsyncSaveHandle | None:
         """(all ranks) Save a checkpoint under ``tag``.
 
@@ -245,7 +310,10 @@ class CheckpointManager:
             include_optimizer: Also put the optimizer state in a full checkpoint.
             retention: A :mod:`dcp_ext.retention` policy for this save
                 (default: the manager's); not together with
-                ``num_kept_partial_checkpoints``.
+                ``num_kept_partial_checkpoints``. With a local tier it
+                applies to the persistent root.
+            persist: With a local tier: drain this save to the root even if
+                it is not a ``persist_every``-th one.
 
         Returns:
             The save's handle when ``async_save``, else ``None``.
@@ -273,6 +341,8 @@ class CheckpointManager:
             save_full(self.group, self.checkpoints.store, tag, state, fmt=full_format, user_content=encoded,
                       overwrite=overwrite)
             return None
+        if self.local is not None:
+            return self._save_tiered(tag, model, optimizer, encoded, policy, async_save, overwrite, persist)
         return self._save_partial(tag, model, optimizer, encoded, policy, async_save, overwrite)
 
     def _save_partial(
@@ -304,6 +374,109 @@ class CheckpointManager:
         with self._lock:
             self._pending = handle
         return handle
+
+    def _save_tiered(
+        self,
+        tag: str,
+        model: nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        user_content: bytes | None,
+        policy: RetentionPolicy | None,
+        async_save: bool,
+        overwrite: bool,
+        persist: bool,
+    ) -> AsyncSaveHandle | None:
+        assert self.local is not None
+        self._saves += 1
+        persist = persist or (self.persist_every > 0 and self._saves % self.persist_every == 0)
+        state = _app_state(model, optimizer)
+        nodes = self.local.nodes
+        planner = LayoutSavePlanner(
+            self.mesh, self.group.global_ranks(), nodes=[nodes.node_of(r) for r in range(nodes.world_size)],
+            partners=[nodes.partner_of(n) for n in range(nodes.node_count)] if self.replicas else (),
+            replicated_apart=True,
+        )
+        writer = CheckpointWriter(
+            self.local.partial_url(tag), overwrite=overwrite, config=self.config,
+            before_commit=_CommitFiles(user_content, planner), compression=self.compression,
+        )
+        if not async_save:
+            run_save(state, writer, planner, self.process_group)
+            self._after_local_save(tag, policy, persist, None)
+            return None
+        if self.async_uploads != "thread":
+            raise ValueError("tiered saves upload in a thread (async_uploads='thread')")
+        if self.stager is None:
+            self.stager = Stager()
+        upload = start_async_save(state, writer, planner, self.process_group, stager=self.stager)
+        handle = AsyncSaveHandle(upload.staging_completion)
+        persisted: concurrent.futures.Future[None] | None = concurrent.futures.Future() if persist else None
+        handle.persist_completion = persisted
+
+        def finish() -> None:
+            try:
+                upload.result()
+                self._after_local_save(tag, policy, persist, persisted)
+            except BaseException as err:  # noqa: BLE001 - the handle carries it
+                handle.set_exception(err)
+                if persisted is not None and not persisted.done():
+                    persisted.set_exception(err)
+                return
+            handle.set_result(None)
+
+        self._tier_steps.submit(finish)
+        with self._lock:
+            self._pending = handle
+        return handle
+
+    def _after_local_save(
+        self,
+        tag: str,
+        policy: RetentionPolicy | None,
+        persist: bool,
+        persisted: concurrent.futures.Future[None] | None,
+    ) -> None:
+        """(all ranks, after the local-tier ``dcp.save`` returned on every rank)
+        Commit ``tag`` on every node, move the nodes' ``newest``, apply local
+        retention, and start the drain to the root if ``persist``."""
+        assert self.local is not None
+        self.local.spread_commit(tag)
+        self.local.share_replicated(tag)
+        if self.replicas:
+            self.local.replicate(tag)
+        with self._lock:
+            protect = set(self._draining) | {tag}
+            if persist:
+                self._draining.add(tag)
+        error = None
+        try:
+            self.local.after_local_commit(tag, self.keep_local, protect)
+        except DcpExtError as err:
+            error = str(err)
+        try:
+            raise_if_any(self.group, error, f"moving the local tier's newest to {tag!r} / local retention")
+        except DcpExtError as err:
+            with self._lock:
+                self._draining.discard(tag)
+            raise PostCommitError(f"checkpoint {tag!r} committed in the local tier, but {err}") from err
+        if not persist:
+            return
+        drained = self._drains.submit(self._drain, tag, policy)
+        if persisted is not None:
+            drained.add_done_callback(lambda f: _copy_outcome(f, persisted))
+        with self._lock:
+            self._last_drain = drained
+
+    def _drain(self, tag: str, policy: RetentionPolicy | None) -> None:
+        assert self.local is not None
+        try:
+            drain(self.local, self.checkpoints, tag, GroupView(self._drain_group), policy)
+        except BaseException as err:
+            log.warning("checkpoint %r stays in the local tier only: drain to %s failed: %s", tag, self.root, err)
+            raise
+        finally:
+            with self._lock:
+                self._draining.discard(tag)
 
     # -- resume -----------------------------------------------------------------------
     def resume(
@@ -338,6 +511,10 @@ class CheckpointManager:
             CheckpointKeyError: Missing / unexpected keys (``strict``).
             ReshardError: A shape or dtype differs, or the layout cannot be filled.
         """
+        if partial and self.local is not None:
+            if model is None:
+                raise ValueError("resume needs the model (and optionally its optimizer)")
+            return self._resume_tiered(tag, model, optimizer, strict, allow_dtype_cast)
         follow_newest = tag is None
         if tag is None:
             tag = self.group.run_on_coordinator(self._newest_or_raise)
@@ -362,6 +539,49 @@ class CheckpointManager:
                 tag = newer
         raise AssertionError("unreachable")
 
+    def _resume_tiered(
+        self,
+        tag: str | None,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        strict: bool,
+        allow_dtype_cast: bool,
+    ) -> ResumeResult:
+        """(all ranks) Restore the newest tag readable from the local tiers or the root (or ``tag``)."""
+        assert self.local is not None
+        if tag is not None:
+            validate_tag(tag)
+        inventories = self.local.gather_inventories()
+        root = self.checkpoints
+
+        def root_tags() -> tuple[list[TagInfo], str | None]:
+            # The persistent tier being down must not stop a restore that the local tiers can serve.
+            try:
+                return (root.committed() if root.exists() else []), None
+            except (DcpExtError, OSError) as err:
+                return [], f"{type(err).__name__}: {err}"
+
+        persisted, unreachable = self.group.run_on_coordinator(root_tags)
+        if unreachable is not None:
+            log.warning("cannot list the persistent root %s (%s); restoring from the local tiers only",
+                        root.url, unreachable)
+        plan = plan_restore(inventories, persisted, self.local.nodes, tag)
+        if plan is None:
+            where = f"the local tiers or {root.url}" + (f" (unreachable: {unreachable})" if unreachable else "")
+            what = f"checkpoint {tag!r}" if tag is not None else "committed checkpoint"
+            raise CheckpointNotFoundError(f"no {what} readable from {where}", root.url)
+        if plan.fetches:
+            self.local.heal(plan, inventories)
+        sources: list[tuple[str, Store]] = []
+        if self.local.node in plan.local_nodes | plan.healed_nodes:
+            sources.append(("local", self.local.checkpoints.partial_store(plan.tag)))
+        if plan.in_root:
+            sources.append(("root", root.partial_store(plan.tag)))
+        store = TieredStore(sources)
+        self.last_restore_plan = plan
+        reader = CheckpointReader(store.describe(), config=self.config, store=store)
+        return self._resume_partial(plan.tag, model, optimizer, strict, allow_dtype_cast, reader)
+
     def _newest_or_raise(self) -> str:
         newest = self.read_newest()
         if newest is None:
@@ -378,6 +598,7 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer | None,
         strict: bool,
         allow_dtype_cast: bool,
+        reader: CheckpointReader | None = None,
     ) -> ResumeResult:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -385,8 +606,9 @@ class CheckpointManager:
             set_optimizer_state_dict,
         )
 
-        reader = CheckpointReader(self.checkpoints.partial_url(tag), storage_options=self.storage_options,
-                                  config=self.config)
+        if reader is None:
+            reader = CheckpointReader(self.checkpoints.partial_url(tag), storage_options=self.storage_options,
+                                      config=self.config)
         state = _app_state(model, optimizer)
 
         def small_files() -> tuple[bytes | None, bytes | None]:
@@ -548,7 +770,16 @@ _LIVE_MANAGERS: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 @atexit.register
 def _wait_for_saves_in_flight() -> None:
     for manager in list(_LIVE_MANAGERS):
-        manager.wait()
+        manager.wait_for_persist()
+
+
+def _copy_outcome(source: concurrent.futures.Future[None], target: concurrent.futures.Future[None]) -> None:
+    """Give ``target`` the outcome of the finished ``source``."""
+    error = source.exception()
+    if error is None:
+        target.set_result(None)
+    else:
+        target.set_exception(error)
 
 
 def _app_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -599,8 +830,9 @@ def save_checkpoint(
     """(all ranks) ``smp.save_checkpoint`` on DCP; see :meth:`CheckpointManager.save`.
 
     Extra keyword arguments: ``process_group``, ``mesh``, ``config``,
-    ``compression``, ``async_uploads`` (for the manager) and ``overwrite``,
-    ``full_format``, ``include_optimizer``, ``retention``.
+    ``compression``, ``async_uploads``, ``local_tier``, ``persist_every``,
+    ``keep_local``, ``replicas`` (for the manager) and ``overwrite``,
+    ``full_format``, ``include_optimizer``, ``retention``, ``persist``.
 
     Calls with the same root and manager arguments share one manager for the
     life of the process, so that a save waits for the asynchronous one in
@@ -609,7 +841,7 @@ def save_checkpoint(
     waits for them and frees the buffers.
     """
     manager_args = {
-        k: kwargs.pop(k) for k in ("process_group", "mesh", "config", "compression", "async_uploads") if k in kwargs
+        k: kwargs.pop(k) for k in _MANAGER_ARGS if k in kwargs
     }
     manager = _shared_manager(path, storage_options, manager_args)
     return manager.save(
@@ -617,6 +849,9 @@ def save_checkpoint(
         num_kept_partial_checkpoints=num_kept_partial_checkpoints, async_save=async_save, **kwargs,
     )
 
+
+_MANAGER_ARGS = ("process_group", "mesh", "config", "compression", "async_uploads", "local_tier", "persist_every",
+                 "keep_local", "replicas")
 
 # Managers of save_checkpoint(), by root and manager arguments (see there).
 _SHARED_MANAGERS: dict[tuple[Any, ...], CheckpointManager] = {}

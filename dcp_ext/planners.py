@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import FLATTEN_MAPPING, _create_chunk_list, _create_read_items, set_element
 from .errors import CheckpointCorruptError, CheckpointKeyError, ReshardError
-from .layout import FileAssignment, MeshInfo, Partition, RankPartition, data_file_name, kind_of, position_name
+from .layout import FileAssignment, MeshInfo, Partition, RankPartition, data_file_name, item_kind, position_name
 
 __all__ = ["LayoutSavePlanner", "LayoutLoadPlanner"]
 
@@ -54,17 +54,31 @@ class LayoutSavePlanner(DefaultSavePlanner):
             mesh coordinates (``model_dp0_tp1.distcp``) instead of ranks.
         global_ranks: Global rank of each rank of the saving process group
             (identity when ``None``), to look ranks up in ``mesh``.
+        nodes: Tiered saves: the node of each rank, recorded in ``partition.json``.
+        partners: Tiered saves with replicas: each node's partner node, recorded too.
+        replicated_apart: Put items that are not shards (plain tensors,
+            non-tensor values) in ``replicated_*`` files of their own
+            (tiered saves copy those to every node).
 
     Attributes:
         partition: The partition decision (on the coordinator, after planning).
     """
 
-    def __init__(self, mesh: MeshInfo | None = None, global_ranks: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        mesh: MeshInfo | None = None,
+        global_ranks: Sequence[int] | None = None,
+        nodes: Sequence[int] = (),
+        partners: Sequence[int] = (),
+        replicated_apart: bool = False,
+    ) -> None:
         # Plan caching returns only deltas to the ranks; the file assignment
         # must reach every rank, so it stays off.
         super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=False)
         self.mesh = mesh
         self.global_ranks = list(global_ranks) if global_ranks is not None else None
+        self.nodes, self.partners = tuple(nodes), tuple(partners)
+        self.replicated_apart = replicated_apart
         self.partition: Partition | None = None
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -77,9 +91,10 @@ class LayoutSavePlanner(DefaultSavePlanner):
             position = position_name(global_rank, self.mesh)
             keys: dict[str, set[str]] = {}
             for item in plan.items:
-                keys.setdefault(kind_of(item.index.fqn), set()).add(item.index.fqn)
+                keys.setdefault(item_kind(item, self.replicated_apart), set()).add(item.index.fqn)
             by_kind = tuple((kind, data_file_name(kind, position)) for kind in sorted(keys))
-            assigned.append(dataclasses.replace(plan, storage_data=FileAssignment(by_kind=by_kind)))
+            assignment = FileAssignment(by_kind=by_kind, replicated_apart=self.replicated_apart)
+            assigned.append(dataclasses.replace(plan, storage_data=assignment))
             ranks.append(
                 RankPartition(
                     rank=rank,
@@ -88,7 +103,7 @@ class LayoutSavePlanner(DefaultSavePlanner):
                     keys={kind: tuple(sorted(fqns)) for kind, fqns in sorted(keys.items())},
                 )
             )
-        self.partition = Partition(len(plans), self.mesh, tuple(ranks))
+        self.partition = Partition(len(plans), self.mesh, tuple(ranks), self.nodes, self.partners)
         return assigned, metadata
 
 

@@ -66,6 +66,14 @@ class GroupView:
         dist.broadcast_object_list(holder, src=src, group=self.group)
         return holder[0]
 
+    def all_gather(self, value: T) -> list[T]:
+        """(all ranks) Every rank's ``value`` (picklable), by group rank."""
+        if not self.distributed:
+            return [value]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, value, group=self.group)
+        return every
+
     def run_on_coordinator(self, fn: Callable[[], T]) -> T:
         """(all ranks) Run ``fn`` on the coordinator; every rank returns its value
         or raises its error.

@@ -14,6 +14,7 @@ and decoded with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import uuid
@@ -103,6 +104,10 @@ class CheckpointReader(StorageReader):
         verify_checksums: Check each frame read against its recorded checksum
             (default on; ``ChecksumMismatchError`` names the file, byte range
             and tensor on a mismatch).
+        store: Read through this store instead of opening ``path`` (e.g. a
+            :class:`~dcp_ext.storage.tiered.TieredStore` over the copies of
+            one checkpoint in several tiers; a damaged file is then read
+            again from the next copy).
 
     Compressed checkpoints need no setting: each item's metadata names its
     codec, and only the frames covering the requested bytes are read and
@@ -126,6 +131,7 @@ class CheckpointReader(StorageReader):
         read_request_size: int | str | None = None,
         coalesce_gap: int | str | None = None,
         verify_checksums: bool | None = None,
+        store: Store | None = None,
     ) -> None:
         super().__init__()
         overrides = {
@@ -141,7 +147,7 @@ class CheckpointReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
-        self._store: Store | None = None
+        self._store: Store | None = store
         self._filesystem: Any = None
         self.last_error: BaseException | None = None
         self._tables: dict[MetadataIndex, FrameTable] = {}
@@ -317,8 +323,19 @@ class CheckpointReader(StorageReader):
             gap=store.coalesce_gap,
             max_request=self.config.read_request_size,
         )
-        store.read(requests)
-        self._frames.work.wait()
+        while True:
+            try:
+                store.read(requests)
+                self._frames.work.wait()
+                break
+            except CheckpointCorruptError as err:
+                # A store with other copies (TieredStore) reads a damaged
+                # file again from the next one; the batch is read again.
+                fall_back = getattr(store, "fall_back", None)
+                if fall_back is None or not fall_back(err):
+                    raise
+                with contextlib.suppress(BaseException):
+                    self._frames.work.wait()  # let the failed round's frame work finish
         for pending in batch:
             pending.finish()
 

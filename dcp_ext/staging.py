@@ -36,6 +36,7 @@ those few lines and is not exercised by the test suite.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import functools
 import logging
@@ -255,6 +256,7 @@ class Stager(AsyncStager):
         self._holds: list[concurrent.futures.Future[Any]] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._gate: threading.Event | None = None
         self.last_stats: StagingStats | None = None
 
     # AsyncStager: DCP must not call synchronize_staging() right after starting
@@ -291,9 +293,28 @@ class Stager(AsyncStager):
             holds, self._holds = self._holds, []
         if not self.background:
             return self._stage_now(state_dict, holds)
-        return self._stage_thread.submit(self._stage_now, state_dict, holds)
+        return self._stage_thread.submit(self._stage_now, state_dict, holds, self._gate)
 
-    def _stage_now(self, state_dict: dict[str, Any], holds: list[concurrent.futures.Future[Any]]) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Background staging started inside this block waits for its end.
+
+        The walk over the state is Python work: started at once, it takes
+        the GIL from the caller for up to a switch interval (5 ms) while the
+        caller is still inside ``dcp.async_save``. The manager wraps its
+        ``dcp.async_save`` call in this, so the copy starts when the call returns.
+        """
+        gate = self._gate = threading.Event()
+        try:
+            yield
+        finally:
+            self._gate = None
+            gate.set()
+
+    def _stage_now(self, state_dict: dict[str, Any], holds: list[concurrent.futures.Future[Any]],
+                   gate: threading.Event | None = None) -> dict[str, Any]:
+        if gate is not None:
+            gate.wait()
         started = time.perf_counter()
         # Waiting before the walk keeps a new save from touching buffers
         # that the previous upload still reads.

@@ -21,9 +21,9 @@ _spec.loader.exec_module(run)
 NOTEBOOKS = run.notebooks()
 
 
-def test_the_four_tutorials_are_there() -> None:
+def test_the_five_tutorials_are_there() -> None:
     names = [p.stem for p in NOTEBOOKS]
-    assert len(names) == 4, names
+    assert len(names) == 5, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -1,0 +1,434 @@
+"""Tiered checkpoints: a node-local tier in front of the persistent root.
+
+Each node has its own local-tier directory (NVMe, or ``/dev/shm`` for a
+memory tier) with the same layout as the root (:mod:`dcp_ext.layout`). A
+tiered save goes there first:
+
+1. every rank streams its shards into ``LOCAL/{tag}_partial/`` on its own
+   node (``dcp.save`` with :class:`~dcp_ext.CheckpointWriter`); the
+   coordinator's node commits (``partition.json``, ``user_content``, then
+   the metadata last);
+2. :meth:`LocalTier.spread_commit`: the coordinator sends those small files
+   over the process group and every other node's leader writes them, the
+   metadata last. The tag is now *locally committed* on every node;
+3. with ``replicas=1``, every rank sends its data files to its partner
+   node (:mod:`dcp_ext.replicas`), never by reading another node's path;
+4. each node's leader moves the node's ``newest`` and applies local
+   retention (``keep_local``);
+5. a persisted save is then *drained* (:func:`drain`): each rank copies its
+   node's share of the data files to ``ROOT/{tag}_partial/``, then the
+   coordinator copies the small files and the metadata last (the commit),
+   moves the root's ``newest`` and applies the root's retention. The copies
+   are byte for byte, so the checkpoint in the root is the same checkpoint.
+
+Restore (:func:`plan_restore`) looks at every node's inventory and the root
+and picks the newest tag that can be read: from the local tiers when every
+saving rank's files are on its node (or, with replicas, on the partner,
+which sends them), else from the root. Each rank then reads each file from
+its own node's copy if it has one, else from the root
+(:class:`~dcp_ext.storage.tiered.TieredStore`); checksums decide whether a
+copy is intact, and a damaged one is read again from the next source.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from . import save_lock
+from ._failpoints import crash_point
+from .config import IOConfig
+from .errors import CheckpointNotFoundError, DcpExtError
+from .layout import DATA_SUFFIX, PARTITION_FILE, REPLICATED_KIND, USER_CONTENT_FILE, Partition, TagInfo
+from .metadata import METADATA_FILE, TORCH_METADATA_FILE, read_created
+from .nodes import NodeMap
+from .process_group import GroupView
+from .replicas import Transfer, replica_transfers, send_files
+from .retention import KeepLast, RetentionPolicy
+from .root import CheckpointRoot
+from .storage import Store
+
+__all__ = ["LocalTier", "LocalTagState", "NodeInventory", "RestorePlan", "drain", "plan_restore"]
+
+log = logging.getLogger("dcp_ext.tiers")
+
+#: Small files of a partial checkpoint, copied before the metadata (which commits).
+COMMIT_FILES = (PARTITION_FILE, USER_CONTENT_FILE, TORCH_METADATA_FILE)
+_COPY_CHUNK = 16 << 20
+_HEAD_BYTES = 512
+
+
+@dataclass(frozen=True)
+class LocalTagState:
+    """One node's committed copy of one tag.
+
+    Attributes:
+        tag: The tag.
+        created: When it was saved (the metadata's time).
+        files: Data files present on the node (own and replicas), with their sizes.
+        rank_files: Data files of each saving rank (from ``partition.json``).
+    """
+
+    tag: str
+    created: float
+    files: dict[str, int]
+    rank_files: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    """What a node's local tier holds: its committed tags (by the node's leader)."""
+
+    node: int
+    tags: dict[str, LocalTagState] = field(default_factory=dict)
+
+
+class LocalTier:
+    """One node's local-tier directory.
+
+    Args:
+        path: This node's local-tier directory (each rank passes its own node's).
+        config: I/O tunables.
+        nodes: The node of every rank.
+        group: The process group of the saves.
+    """
+
+    def __init__(self, path: str, config: IOConfig, nodes: NodeMap, group: GroupView) -> None:
+        self.checkpoints = CheckpointRoot(path, config)
+        self.nodes = nodes
+        self.group = group
+
+    @property
+    def node(self) -> int:
+        return self.nodes.node_of(self.group.rank)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.nodes.is_leader(self.group.rank)
+
+    def partial_url(self, tag: str) -> str:
+        return self.checkpoints.partial_url(tag)
+
+    # -- save ---------------------------------------------------------------------
+    def spread_commit(self, tag: str) -> None:
+        """(all ranks) Copy the coordinator's commit files of ``tag`` to every
+        other node, the metadata last. Every rank raises the same error if any
+        node could not write them."""
+        payload: dict[str, bytes] | None = None
+        if self.group.is_coordinator:
+            store = self.checkpoints.partial_store(tag)
+            payload = {}
+            for name in (*COMMIT_FILES, METADATA_FILE):
+                try:
+                    payload[name] = store.read_file(name)
+                except CheckpointNotFoundError:
+                    if name == METADATA_FILE:
+                        raise
+        payload = self.group.broadcast(payload)
+        assert payload is not None
+        error: str | None = None
+        if self.is_leader and self.node != self.nodes.node_of(0):
+            crash_point("mid_local_commit")
+            try:
+                write_commit_files(self.checkpoints.partial_store(tag), payload)
+            except DcpExtError as err:
+                error = f"node {self.node} (rank {self.group.rank}): {err}"
+        raise_if_any(self.group, error, f"committing {tag!r} in the local tier")
+
+    def after_local_commit(self, tag: str, keep_local: int | None, protect: Collection[str]) -> None:
+        """(node leaders) Point the node's ``newest`` at ``tag``, then keep the
+        ``keep_local`` newest local tags (never one in ``protect``)."""
+        if not self.is_leader:
+            return
+        self.checkpoints.set_newest(tag)
+        if keep_local is not None:
+            self.checkpoints.apply_retention(KeepLast(keep_local), protect={tag, *protect})
+        try:
+            self.checkpoints.remove_leftovers(current=tag)  # what crashed local saves left
+        except DcpExtError as err:
+            log.warning("could not remove leftovers under %s: %s", self.checkpoints.url, err)
+
+    def _own_files(self, tag: str) -> tuple[Store, list[str], list[str]]:
+        """This rank's data files of ``tag``: (store, sharded-data files, replicated files)."""
+        store = self.checkpoints.partial_store(tag)
+        partition = Partition.from_json(store.read_file(PARTITION_FILE), store.describe(PARTITION_FILE))
+        own = next((r.files for r in partition.ranks if r.rank == self.group.rank), ())
+        shared = [name for name in own if is_replicated_file(name)]
+        return store, [name for name in own if name not in shared], shared
+
+    def share_replicated(self, tag: str) -> None:
+        """(all ranks) Copy each rank's ``replicated_*`` file (plain tensors and
+        values that every rank loads) to the leader of every other node."""
+        store, _, shared = self._own_files(tag)
+        every = self.group.all_gather([(name, store.size(name)) for name in shared])
+        nodes = self.nodes
+        transfers = [
+            Transfer(name, size, rank, nodes.leader_of(node))
+            for rank, files in enumerate(every) for name, size in files
+            for node in range(nodes.node_count) if node != nodes.node_of(rank)
+        ]
+        if transfers:
+            send_files(self.group, transfers, store, store)
+
+    def replicate(self, tag: str) -> None:
+        """(all ranks) Send this rank's data files of the locally committed
+        ``tag`` to its partner node, which keeps them in its own tier."""
+        store, own, _ = self._own_files(tag)
+        every = self.group.all_gather([(name, store.size(name)) for name in own])
+        nodes = self.nodes
+        transfers = replica_transfers(
+            every, [nodes.node_of(r) for r in range(nodes.world_size)],
+            {n: nodes.partner_of(n) for n in range(nodes.node_count)},
+            {n: nodes.ranks_on(n) for n in range(nodes.node_count)},
+        )
+        send_files(self.group, transfers, store, store)
+
+    def heal(self, plan: RestorePlan, inventories: Sequence[NodeInventory]) -> None:
+        """(all ranks) Bring the files ``plan.fetches`` names to the ranks'
+        nodes from their partners, then commit the tag on the nodes that lacked it."""
+        store = self.checkpoints.partial_store(plan.tag)
+        if any(t.target == self.group.rank for t in plan.fetches):
+            store.ensure_root()
+        send_files(self.group, plan.fetches, store, store)
+        # The commit files, from the lowest node that has the tag committed.
+        source = min(plan.local_nodes)
+        payload = None
+        if self.is_leader and self.node == source:
+            payload = {}
+            for name in (*COMMIT_FILES, METADATA_FILE):
+                try:
+                    payload[name] = store.read_file(name)
+                except CheckpointNotFoundError:
+                    if name == METADATA_FILE:
+                        raise
+        files = next(p for p in self.group.all_gather(payload) if p is not None)
+        error = None
+        if self.is_leader and self.node in plan.healed_nodes:
+            try:
+                write_commit_files(store, files)
+            except DcpExtError as err:
+                error = f"node {self.node}: {err}"
+        raise_if_any(self.group, error, f"restoring {plan.tag!r} into the local tier")
+
+    # -- restore --------------------------------------------------------------------
+    def inventory(self) -> NodeInventory | None:
+        """(any rank; ``None`` except on node leaders) This node's committed tags."""
+        if not self.is_leader:
+            return None
+        tags: dict[str, LocalTagState] = {}
+        if not self.checkpoints.exists():
+            return NodeInventory(self.node, tags)
+        for tag in self.checkpoints.partial_tags():
+            store = self.checkpoints.partial_store(tag)
+            try:
+                head = store.read_head(METADATA_FILE, _HEAD_BYTES)
+                partition = Partition.from_json(store.read_file(PARTITION_FILE), store.describe(PARTITION_FILE))
+            except DcpExtError:
+                continue  # not committed here, or unreadable: not a source
+            files = {n: store.size(n) for n in store.list_names() if n.endswith(DATA_SUFFIX)}
+            rank_files = tuple(tuple(r.files) for r in sorted(partition.ranks, key=lambda r: r.rank))
+            if len(rank_files) != partition.world_size:
+                continue
+            tags[tag] = LocalTagState(tag, read_created(head) or 0.0, files, rank_files)
+        return NodeInventory(self.node, tags)
+
+    def gather_inventories(self) -> list[NodeInventory]:
+        """(all ranks) Every node's inventory, by node index."""
+        mine = self.inventory()
+        every = self.group.all_gather(mine)
+        found = [inv for inv in every if inv is not None]
+        return sorted(found, key=lambda inv: inv.node)
+
+
+def is_replicated_file(name: str) -> bool:
+    """Whether data file ``name`` holds the replicated items of a tiered save."""
+    return name.startswith(f"{REPLICATED_KIND}_") and name.endswith(DATA_SUFFIX)
+
+
+def write_commit_files(store: Store, files: dict[str, bytes]) -> None:
+    """Write a checkpoint's small files into ``store``, the metadata last (the commit)."""
+    store.ensure_root()
+    for name in COMMIT_FILES:
+        if name in files:
+            store.write_file(name, files[name])
+    store.write_file(METADATA_FILE, files[METADATA_FILE])
+
+
+def raise_if_any(group: GroupView, error: str | None, doing: str) -> None:
+    """(all ranks) Raise on every rank if any rank reports an ``error``."""
+    errors = [e for e in group.all_gather(error) if e is not None]
+    if errors:
+        raise DcpExtError(f"{doing} failed: " + "; ".join(errors))
+
+
+# -- drain to the persistent root ------------------------------------------------------
+
+
+def copy_file(source: Store, target: Store, name: str) -> int:
+    """Stream data file ``name`` from ``source`` to ``target`` (committed there
+    on success, aborted on failure); returns its size."""
+    size = source.size(name)
+    with target.open_writer(name, size_hint=size) as writer:
+        for offset in range(0, size, _COPY_CHUNK):
+            writer.write(source.read_range(name, offset, min(_COPY_CHUNK, size - offset)))
+        writer.commit()
+    return size
+
+
+def drain(
+    tier: LocalTier,
+    persistent: CheckpointRoot,
+    tag: str,
+    group: GroupView,
+    policy: RetentionPolicy | None,
+) -> None:
+    """(all ranks of ``group``) Copy the locally committed ``tag`` to the
+    persistent root with the usual commit protocol.
+
+    Each rank copies its share of its node's data files (the files of the
+    node's saving ranks, split over the node's ranks); then the coordinator
+    copies the small files and the metadata (the commit), points the root's
+    ``newest`` at ``tag`` unless the root already has a newer one, and
+    applies ``policy`` there. On any failure the root's ``newest`` is not
+    moved and every rank raises the same error.
+    """
+    target = persistent.partial_store(tag)
+    lock = save_lock.SaveLock(target, uuid.uuid4().hex)
+
+    def take_lock() -> None:
+        target.ensure_root()
+        if target.exists(METADATA_FILE):
+            raise DcpExtError(f"{target.describe(METADATA_FILE)} exists: {tag!r} is already in the persistent root",
+                              target.describe(METADATA_FILE))
+        lock.acquire()
+
+    group.run_on_coordinator(take_lock)
+    try:
+        error: str | None = None
+        local = tier.checkpoints.partial_store(tag)
+        try:
+            partition = Partition.from_json(local.read_file(PARTITION_FILE), local.describe(PARTITION_FILE))
+            node_ranks = set(tier.nodes.ranks_on(tier.node))
+            mine = sorted(f for r in partition.ranks if r.rank in node_ranks for f in r.files)
+            share = tier.nodes.ranks_on(tier.node).index(group.rank)
+            for name in mine[share::len(node_ranks)]:
+                copy_file(local, target, name)
+                crash_point("mid_drain")
+        except DcpExtError as err:
+            error = f"rank {group.rank}: {err}"
+        raise_if_any(group, error, f"copying {tag!r} to {persistent.url}")
+        crash_point("before_drain_commit")
+
+        def commit() -> None:
+            files = {}
+            for name in (*COMMIT_FILES, METADATA_FILE):
+                try:
+                    files[name] = local.read_file(name)
+                except CheckpointNotFoundError:
+                    if name == METADATA_FILE:
+                        raise
+            write_commit_files(target, files)
+            created = read_created(files[METADATA_FILE][:_HEAD_BYTES]) or 0.0
+            newest = persistent.newest_record()
+            newer = [t for t in persistent.committed() if t.tag == newest and t.committed_at > created]
+            if not newer:
+                persistent.set_newest(tag)
+            if policy is not None:
+                persistent.apply_retention(policy, protect={tag})
+            try:
+                persistent.remove_leftovers(current=tag)
+            except DcpExtError as err:
+                log.warning("could not remove leftovers under %s: %s", persistent.url, err)
+
+        group.run_on_coordinator(commit)
+    finally:
+        if group.is_coordinator:
+            lock.release()
+
+
+# -- choosing what to restore ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """Where a restore reads ``tag`` from.
+
+    Attributes:
+        tag: The tag to load.
+        local_nodes: Nodes whose local tier has the tag committed.
+        in_root: Whether the persistent root has it committed.
+        local_complete: Every saving rank's files are on its own node or,
+            as replicas, on its partner (the current world is the saving
+            one), so no byte need come from the root.
+        fetches: Files to bring from partners before loading (wiped nodes).
+        healed_nodes: Nodes that get the tag committed by those fetches.
+    """
+
+    tag: str
+    local_nodes: frozenset[int]
+    in_root: bool
+    local_complete: bool
+    fetches: tuple[Transfer, ...] = ()
+    healed_nodes: frozenset[int] = frozenset()
+
+
+def local_fetches(tag: str, inventories: Sequence[NodeInventory], nodes: NodeMap) -> tuple[Transfer, ...] | None:
+    """The files to bring from partner nodes so that every saving rank's files of
+    ``tag`` are on its own node (empty: none missing); ``None`` if the local
+    tiers cannot provide them (or the world is not the saving one)."""
+    by_node = {inv.node: inv.tags.get(tag) for inv in inventories}
+    states = [s for s in by_node.values() if s is not None]
+    if not states:
+        return None
+    rank_files = states[0].rank_files
+    if len(rank_files) != nodes.world_size:
+        return None
+    shared = sorted(name for files in rank_files for name in files if is_replicated_file(name))
+    fetches = []
+    for node in range(nodes.node_count):
+        state = by_node.get(node)
+        have = state.files if state is not None else {}
+        # A node needs its ranks' files and every replicated file.
+        needed = [(name, rank) for rank in nodes.ranks_on(node) for name in rank_files[rank]
+                  if not is_replicated_file(name)]
+        needed += [(name, nodes.leader_of(node)) for name in shared]
+        for name, receiver in needed:
+            if name in have:
+                continue
+            # From the partner (which keeps the node's replicas), else any node that has it.
+            sources = [nodes.partner_of(node)] + [n for n in range(nodes.node_count) if n != node]
+            source = next((n for n in sources if n != node and by_node.get(n) is not None
+                           and name in by_node[n].files), None)  # type: ignore[union-attr]
+            if source is None:
+                return None
+            peers = nodes.ranks_on(source)
+            sender = peers[nodes.ranks_on(node).index(receiver) % len(peers)]
+            fetches.append(Transfer(name, by_node[source].files[name], sender, receiver))  # type: ignore[union-attr]
+    return tuple(fetches)
+
+
+def plan_restore(
+    inventories: Sequence[NodeInventory],
+    root_tags: Sequence[TagInfo],
+    nodes: NodeMap,
+    tag: str | None = None,
+) -> RestorePlan | None:
+    """The newest tag readable from the local tiers or the root (or ``tag``);
+    ``None`` if there is none. Pure: every rank computes the same plan."""
+    created: dict[str, float] = {t.tag: t.committed_at for t in root_tags}
+    for inv in inventories:
+        for state in inv.tags.values():
+            created[state.tag] = max(created.get(state.tag, 0.0), state.created)
+    in_root = {t.tag for t in root_tags}
+    candidates = [tag] if tag is not None else sorted(created, key=lambda t: (created[t], t), reverse=True)
+    for candidate in candidates:
+        local_nodes = frozenset(inv.node for inv in inventories if candidate in inv.tags)
+        fetches = local_fetches(candidate, inventories, nodes)
+        if fetches is not None:
+            healed = frozenset(nodes.node_of(t.target) for t in fetches) - local_nodes
+            return RestorePlan(candidate, local_nodes, candidate in in_root, True, fetches, healed)
+        if candidate in in_root:
+            return RestorePlan(candidate, local_nodes, True, False)
+    return None

@@ -1,0 +1,169 @@
+"""Code that runs on each rank of the spawned worlds in test_tiers.py.
+
+Four ranks play two nodes (``DCP_EXT_NODE_RANK`` = rank // 2), each node
+with its own local-tier directory; a rank only ever touches its own node's
+directory, except where a test wipes or damages a node's tier (done by a
+rank of that node).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+import dcp_ext
+from dcp_ext.layout import partial_dir
+from dcp_ext.metadata import METADATA_FILE
+from tests.support.async_workers import _snapshot, _train_on
+from tests.support.compare import assert_same_state
+from tests.support.dist_workers import app_state, local_leaves, make_fsdp
+
+RANKS_PER_NODE = 2
+
+
+def node_dir(base: str, node: int) -> str:
+    return os.path.join(base, f"node{node}")
+
+
+def _manager(root: str, local_base: str, node: int, **kwargs: Any) -> dcp_ext.CheckpointManager:
+    os.environ[dcp_ext.nodes.NODE_RANK_ENV] = str(node)
+    return dcp_ext.CheckpointManager(root, local_tier=node_dir(local_base, node), **kwargs)
+
+
+def _restore(manager: dcp_ext.CheckpointManager, world_size: int, tag: str | None = None) -> tuple[str, dict[str, Any], dict[str, int]]:
+    """Resume into a differently initialized model; (tag, its leaves, bytes read per source)."""
+    model, optim = make_fsdp(world_size, seed=99)
+    result = manager.resume(model, optim, tag=tag)
+    return result.tag, local_leaves(app_state(model, optim)), manager.last_reader.store.bytes_by_source()
+
+
+def tier_suite(rank: int, world_size: int, root: str, local_base: str) -> dict[str, Any]:
+    """Local saves, drains, restores from the local tier, from the root after a
+    wiped node, from the root for a damaged local file, and a failed drain."""
+    node = rank // RANKS_PER_NODE
+    report: dict[str, Any] = {}
+    model, optim = make_fsdp(world_size, seed=5)
+    manager = _manager(root, local_base, node, persist_every=2, keep_local=2)
+    assert [manager.local.nodes.node_of(r) for r in range(world_size)] == [0, 0, 1, 1]
+
+    # 1. s1 (local only), s2 (2nd save: persisted), s3 async (local only).
+    manager.save("s1", model, optim, user_content={"step": 1})
+    _train_on(model, optim)
+    manager.save("s2", model, optim, user_content={"step": 2})
+    expected_s2 = _snapshot(model, optim)
+    manager.wait_for_persist()
+    _train_on(model, optim)
+    handle = manager.save("s3", model, optim, async_save=True, user_content={"step": 3})
+    assert handle.persist_completion is None
+    handle.staging_completion.result()
+    expected_s3 = _snapshot(model, optim)
+    _train_on(model, optim)
+    handle.result()
+    dist.barrier()
+
+    mine = Path(node_dir(local_base, node))
+    report["local_tags"] = sorted(p.name for p in mine.iterdir() if p.is_dir())
+    report["local_newest"] = (mine / "newest").read_text().strip()
+    report["local_files_s3"] = sorted(p.name for p in (mine / partial_dir("s3")).iterdir())
+    report["root_tags"] = manager.tags()
+    report["root_newest"] = manager.read_newest()
+
+    # 2. Restore the newest (s3): from the local tiers only.
+    tag, got, by_source = _restore(manager, world_size)
+    assert tag == "s3", tag
+    assert_same_state(expected_s3, got, "restore of s3 from the local tiers")
+    report["restore_local"] = by_source
+    assert manager.last_restore_plan.local_complete
+
+    # 3. Node 1's tier is wiped: s3 exists on node 0 only and not in the
+    #    root, so the newest readable is s2: node 0 from its tier, node 1 from the root.
+    dist.barrier()
+    if rank == 2:
+        shutil.rmtree(node_dir(local_base, 1))
+    dist.barrier()
+    tag, got, by_source = _restore(manager, world_size)
+    assert tag == "s2", tag
+    assert_same_state(expected_s2, got, "restore of s2 after node 1's tier was wiped")
+    report["restore_wiped"] = by_source
+
+    # 4. A damaged local copy: one flipped byte in rank 0's model file of s2
+    #    on node 0; rank 0 reads that file from the root instead.
+    dist.barrier()
+    if rank == 0:
+        damaged = Path(node_dir(local_base, 0)) / partial_dir("s2") / "model_rank0.distcp"
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+    dist.barrier()
+    tag, got, by_source = _restore(manager, world_size, tag="s2")
+    assert_same_state(expected_s2, got, "restore of s2 with a damaged local file")
+    report["restore_damaged"] = by_source
+
+    # 5. A drain that fails (the root is a file, so nothing can be written
+    #    under it): the local commit succeeds, the handle's persist future
+    #    fails on every rank, the root is untouched; the next persisted
+    #    save, with the root fixed, drains.
+    blocked_root = os.path.join(local_base, "blocked_root")
+    if rank == 0:
+        Path(blocked_root).write_text("not a directory")
+    dist.barrier()
+    failing = _manager(blocked_root, os.path.join(local_base, "second"), node, persist_every=0)
+    handle = failing.save("f1", model, optim, async_save=True, persist=True)
+    handle.staging_completion.result()
+    expected_f1 = _snapshot(model, optim)
+    _train_on(model, optim)
+    handle.result()
+    error = handle.persist_completion.exception(timeout=120)
+    report["drain_error"] = None if error is None else (type(error).__name__, str(error).splitlines()[0][:200])
+    tag, got, by_source = _restore(failing, world_size)
+    assert tag == "f1", tag
+    assert_same_state(expected_f1, got, "restore after a failed drain")
+    dist.barrier()
+    if rank == 0:
+        os.remove(blocked_root)
+    dist.barrier()
+    handle = failing.save("f2", model, optim, async_save=True, persist=True)
+    handle.result()
+    handle.persist_completion.result(timeout=120)
+    report["after_retry_root_tags"] = failing.tags()
+    report["after_retry_root_has_metadata"] = os.path.exists(os.path.join(blocked_root, partial_dir("f2"), METADATA_FILE))
+    failing.close()
+    manager.close()
+
+    # 6. Peer replicas: node 1's tier is wiped and restored from node 0's
+    #    replicas, no byte from the root; then both nodes are wiped and the
+    #    newest persisted tag comes from the root.
+    rep_base, rep_root = os.path.join(local_base, "rep"), os.path.join(local_base, "rep_root")
+    replicated = _manager(rep_root, rep_base, node, persist_every=0, keep_local=None, replicas=1)
+    replicated.save("p1", model, optim, persist=True)
+    expected_p1 = _snapshot(model, optim)
+    replicated.wait_for_persist()
+    _train_on(model, optim)
+    replicated.save("r1", model, optim)
+    expected_r1 = _snapshot(model, optim)
+    dist.barrier()
+    report["replica_files_r1"] = sorted(p.name for p in (Path(node_dir(rep_base, node)) / partial_dir("r1")).iterdir()
+                                        if p.name.endswith(".distcp"))
+    if rank == 2:
+        shutil.rmtree(node_dir(rep_base, 1))
+    dist.barrier()
+    tag, got, by_source = _restore(replicated, world_size)
+    assert tag == "r1", tag
+    assert_same_state(expected_r1, got, "restore of r1 from the partner's replicas")
+    report["restore_from_replica"] = by_source
+    report["replica_fetches"] = len(replicated.last_restore_plan.fetches)
+    report["healed_has_metadata"] = (Path(node_dir(rep_base, node)) / partial_dir("r1") / METADATA_FILE).exists()
+    dist.barrier()
+    if rank in (0, 2):
+        shutil.rmtree(node_dir(rep_base, node))
+    dist.barrier()
+    tag, got, by_source = _restore(replicated, world_size)
+    assert tag == "p1", tag
+    assert_same_state(expected_p1, got, "restore of p1 from the root after both nodes were wiped")
+    report["restore_both_wiped"] = by_source
+    replicated.close()
+    return report

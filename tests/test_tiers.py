@@ -1,0 +1,151 @@
+"""Tiered checkpoints: node-local tiers in front of the persistent root.
+
+Four gloo ranks play two nodes (two ranks each), each node with its own
+local-tier directory under ``tmp_path``; the worlds run
+``tests/support/tier_workers.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.dist import run_world
+from tests.support.tier_workers import tier_suite
+
+
+def test_local_saves_drains_and_restores_from_the_fastest_intact_copy(tmp_path: Path) -> None:
+    root, local_base = tmp_path / "root", tmp_path / "local"
+    reports = run_world(4, tier_suite, str(root), str(local_base), timeout=400)
+    r0 = reports[0]
+    # Saves: s1 and s3 stayed local, s2 (the 2nd save, persist_every=2) was drained.
+    for report in reports[::2]:  # one rank per node
+        assert report["local_tags"] == ["s2_partial", "s3_partial"], report["local_tags"]  # keep_local=2
+        assert report["local_newest"] == "s3"
+    assert r0["root_tags"] == ["s2"] and r0["root_newest"] == "s2"
+    # Each node's tier holds its own ranks' shards, and every rank's
+    # replicated items (Adam's steps, param_groups), which every rank loads.
+    def sharded(files: list[str]) -> list[str]:
+        return [f for f in files if f.endswith(".distcp") and not f.startswith("replicated_")]
+
+    assert sharded(r0["local_files_s3"]) == [
+        "model_rank0.distcp", "model_rank1.distcp", "optimizer_rank0.distcp", "optimizer_rank1.distcp"]
+    assert sharded(reports[2]["local_files_s3"]) == [
+        "model_rank2.distcp", "model_rank3.distcp", "optimizer_rank2.distcp", "optimizer_rank3.distcp"]
+    shared = [f for f in r0["local_files_s3"] if f.startswith("replicated_")]
+    assert shared and shared == [f for f in reports[2]["local_files_s3"] if f.startswith("replicated_")]
+    for rank, report in enumerate(reports):
+        # The newest tag from the local tiers: nothing from the root.
+        assert report["restore_local"]["local"] > 0 and "root" not in report["restore_local"], (rank, report)
+        # Node 1 wiped: node 0 reads s2 locally, node 1 from the root.
+        wiped = report["restore_wiped"]
+        if rank < 2:
+            assert wiped["local"] > 0 and wiped["root"] == 0, (rank, wiped)
+        else:
+            assert "local" not in wiped and wiped["root"] > 0, (rank, wiped)
+    # The damaged file of rank 0 came from the root; rank 1 read only locally.
+    assert reports[0]["restore_damaged"]["root"] > 0
+    assert reports[1]["restore_damaged"]["root"] == 0 and reports[1]["restore_damaged"]["local"] > 0
+    # A failed drain: the same error on every rank; the retry drained f2.
+    errors = {report["drain_error"] for report in reports}
+    assert len(errors) == 1 and None not in errors, errors
+    assert r0["after_retry_root_tags"] == ["f2"] and r0["after_retry_root_has_metadata"]
+    # Replicas: each node keeps its partner's files too.
+    assert sharded(r0["replica_files_r1"]) == sorted(
+        f"{kind}_rank{r}.distcp" for kind in ("model", "optimizer") for r in range(4)), r0["replica_files_r1"]
+    for rank, report in enumerate(reports):
+        # Node 1 wiped: its files came from node 0 over the process group, none from the root.
+        assert "root" not in report["restore_from_replica"], (rank, report["restore_from_replica"])
+        assert report["restore_from_replica"]["local"] > 0
+        # Node 1's 4 shard files and the replicated files, from node 0.
+        assert report["replica_fetches"] == 4 + len(shared) and report["healed_has_metadata"]
+        # Both nodes wiped: the persisted p1, all from the root.
+        assert "local" not in report["restore_both_wiped"] and report["restore_both_wiped"]["root"] > 0
+
+
+def test_one_process_tiers_ls_and_verify(tmp_path: Path, capsys) -> None:
+    """One process (no process group): local saves, a drain, a restore from
+    the local tier, and the CLI's view of the tiers."""
+    import torch
+
+    import dcp_ext
+    from dcp_ext.cli import main
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optim.step()
+    root, local = tmp_path / "root", tmp_path / "local"
+    with dcp_ext.CheckpointManager(root, local_tier=local, persist_every=2, keep_local=None) as manager:
+        manager.save("a", model, optim)
+        manager.save("b", model, optim)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        manager.wait_for_persist()
+        assert manager.tags() == ["b"] and manager.read_newest() == "b"
+        with torch.no_grad():
+            model.weight.zero_()
+        manager.resume(model, optim)
+        assert manager.last_restore_plan.tag == "b" and manager.last_restore_plan.local_complete
+        by_source = manager.last_reader.store.bytes_by_source()
+        assert by_source == {"local": manager.last_reader.store.stats.snapshot().bytes_read, "root": 0}, by_source
+        assert by_source["local"] > 0
+    for key, value in expected.items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+    capsys.readouterr()
+    assert main(["ls", str(root), "--local-tier", str(local)]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "local tiers only" in rows["a"] and f"local:{local}" in rows["a"] and "persistent" not in rows["a"]
+    assert f"persistent, local:{local}" in rows["b"]
+    assert main(["verify", str(local / "a_partial"), "--local-copy", "-q"]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
+    """Real 2-rank, 2-node jobs killed during the local commit, replication and
+    the drain. After each, the persistent root's newest is unchanged unless the
+    drain committed and loads bit-exact here (one process), and the next job
+    resumes bit-exact: the killed tag itself once it had committed in both
+    local tiers."""
+    import subprocess
+    import sys
+
+    import torch
+
+    import dcp_ext
+    from tests.support import REPO
+    from tests.support.crash_job import make_model
+
+    root, local = tmp_path / "root", tmp_path / "local"
+    # (crash, committed in both local tiers before the kill, drained)
+    trials = [("none", True, True), ("1:mid_local_commit", False, False), ("0:mid_replication", True, False),
+              ("1:mid_drain", True, False), ("all:before_drain_commit", True, False), ("none", True, True)]
+    log: list[str] = []
+    newest_local = None
+    drained = None
+    for step, (crash, local_commit, drains) in enumerate([*trials, ("check", None, None)], start=1):
+        final = crash == "check"
+        args = [sys.executable, "-m", "tests.support.tier_crash_job", str(root), str(local),
+                "0" if final else str(step), "none" if final else crash]
+        run = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=180)
+        log.append(f"step {step} {crash}: exit {run.returncode} {run.stdout.strip()!r}")
+        resumed = [line.split() for line in run.stdout.splitlines() if line.startswith("RESUMED")]
+        if newest_local is not None:
+            assert resumed == [["RESUMED", newest_local, "True"]], "\n".join(log + [run.stderr[-3000:]])
+        if final:
+            break
+        assert (run.returncode == 0) == (crash == "none"), "\n".join(log + [run.stderr[-3000:]])
+        if local_commit:
+            newest_local = f"step{step}"
+        if drains:
+            drained = f"step{step}"
+        persistent = dcp_ext.CheckpointRoot(str(root))
+        assert persistent.newest() == drained, "\n".join(log)
+        assert f"step{step}" in [t.tag for t in persistent.committed()] if drains else True
+        if drained is not None:
+            model = make_model(0)
+            dcp_ext.CheckpointManager(root).resume(model, tag=drained)
+            expected = make_model(int(drained.removeprefix("step"))).state_dict()
+            assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), drained
+    # The last clean drain removed what the killed drains left in the root.
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step1_partial", "step6_partial"], "\n".join(log)

@@ -88,13 +88,15 @@ def test_hostile_tags_and_payloads(tmp_path: Path) -> None:
     def huge(doc: dict) -> None:
         for item in doc["items"]:
             if item["fqn"] == "extra.step":
-                item["length"] = item["data_length"] = 1 << 45
-                item["xxh3"] = ["0" * 16] * ((1 << 45) // item["frame"])
-                doc["files"][item["file"]] = item["at"] + (1 << 45)
+                # 2 GiB: over the 1 GiB limit for a non-tensor value (a
+                # bigger claim only makes this edited metadata slower to write).
+                item["length"] = item["data_length"] = 1 << 31
+                item["xxh3"] = ["0" * 16] * ((1 << 31) // item["frame"])
+                doc["files"][item["file"]] = item["at"] + (1 << 31)
 
     meta.write_bytes(original)
     edit_metadata(meta, huge)
-    with pytest.raises(dcp_ext.CheckpointCorruptError, match=r"claims 35184372088832 bytes .* refusing to allocate"):
+    with pytest.raises(dcp_ext.CheckpointCorruptError, match=r"claims 2147483648 bytes .* refusing to allocate"):
         dcp_ext.load({"w": torch.zeros(8), "extra": {"step": 0}}, ck)
 
     def huge_frames(doc: dict) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 import dcp_ext
 from tests.support.compare import assert_same_state
 
-ROUNDS = 12
+ROUNDS = 8
 
 
 def snapshot() -> dict[str, int]:

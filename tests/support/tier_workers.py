@@ -34,6 +34,14 @@ def _manager(root: str, local_base: str, node: int, **kwargs: Any) -> dcp_ext.Ch
     return dcp_ext.CheckpointManager(root, local_tier=node_dir(local_base, node), **kwargs)
 
 
+def _create_bucket(options: dict[str, Any], bucket: str) -> None:
+    import boto3
+
+    client = boto3.client("s3", aws_access_key_id=options["key"], aws_secret_access_key=options["secret"],
+                          **options["client_kwargs"])
+    client.create_bucket(Bucket=bucket)
+
+
 def _restore(manager: dcp_ext.CheckpointManager, world_size: int, tag: str | None = None) -> tuple[str, dict[str, Any], dict[str, int]]:
     """Resume into a differently initialized model; (tag, its leaves, bytes read per source)."""
     model, optim = make_fsdp(world_size, seed=99)
@@ -41,13 +49,14 @@ def _restore(manager: dcp_ext.CheckpointManager, world_size: int, tag: str | Non
     return result.tag, local_leaves(app_state(model, optim)), manager.last_reader.store.bytes_by_source()
 
 
-def tier_suite(rank: int, world_size: int, root: str, local_base: str) -> dict[str, Any]:
-    """Local saves, drains, restores from the local tier, from the root after a
-    wiped node, from the root for a damaged local file, and a failed drain."""
+def tier_suite(rank: int, world_size: int, root: str, local_base: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Local saves, drains to S3 (``root`` with ``options``), restores from the
+    local tier, from the root after a wiped node, from the root for a damaged
+    local file, a failed drain, and peer replicas."""
     node = rank // RANKS_PER_NODE
     report: dict[str, Any] = {}
     model, optim = make_fsdp(world_size, seed=5)
-    manager = _manager(root, local_base, node, persist_every=2, keep_local=2)
+    manager = _manager(root, local_base, node, storage_options=options, persist_every=2, keep_local=2)
     assert [manager.local.nodes.node_of(r) for r in range(world_size)] == [0, 0, 1, 1]
 
     # 1. s1 (local only), s2 (2nd save: persisted), s3 async (local only).
@@ -103,15 +112,14 @@ def tier_suite(rank: int, world_size: int, root: str, local_base: str) -> dict[s
     assert_same_state(expected_s2, got, "restore of s2 with a damaged local file")
     report["restore_damaged"] = by_source
 
-    # 5. A drain that fails (the root is a file, so nothing can be written
-    #    under it): the local commit succeeds, the handle's persist future
-    #    fails on every rank, the root is untouched; the next persisted
-    #    save, with the root fixed, drains.
-    blocked_root = os.path.join(local_base, "blocked_root")
-    if rank == 0:
-        Path(blocked_root).write_text("not a directory")
-    dist.barrier()
-    failing = _manager(blocked_root, os.path.join(local_base, "second"), node, persist_every=0)
+    # 5. A drain that fails (the root's bucket does not exist): the local
+    #    commit succeeds, the handle's persist future fails on every rank,
+    #    a restore serves from the local tiers; once the bucket exists, the
+    #    next persisted save drains.
+    bucket = f"later-{os.path.basename(local_base.rstrip('/'))}".lower().replace("_", "-")[:60]
+    failing = _manager(f"s3://{bucket}/run", os.path.join(local_base, "second"), node, persist_every=0,
+                       storage_options=options,
+                       config=dcp_ext.IOConfig(retry=dcp_ext.RetryPolicy(max_attempts=2, base_delay=0.01)))
     handle = failing.save("f1", model, optim, async_save=True, persist=True)
     handle.staging_completion.result()
     expected_f1 = _snapshot(model, optim)
@@ -124,21 +132,22 @@ def tier_suite(rank: int, world_size: int, root: str, local_base: str) -> dict[s
     assert_same_state(expected_f1, got, "restore after a failed drain")
     dist.barrier()
     if rank == 0:
-        os.remove(blocked_root)
+        _create_bucket(options, bucket)
     dist.barrier()
     handle = failing.save("f2", model, optim, async_save=True, persist=True)
     handle.result()
     handle.persist_completion.result(timeout=120)
     report["after_retry_root_tags"] = failing.tags()
-    report["after_retry_root_has_metadata"] = os.path.exists(os.path.join(blocked_root, partial_dir("f2"), METADATA_FILE))
+    report["after_retry_root_newest"] = failing.read_newest()
     failing.close()
     manager.close()
 
     # 6. Peer replicas: node 1's tier is wiped and restored from node 0's
     #    replicas, no byte from the root; then both nodes are wiped and the
     #    newest persisted tag comes from the root.
-    rep_base, rep_root = os.path.join(local_base, "rep"), os.path.join(local_base, "rep_root")
-    replicated = _manager(rep_root, rep_base, node, persist_every=0, keep_local=None, replicas=1)
+    rep_base, rep_root = os.path.join(local_base, "rep"), root.rstrip("/") + "-replicated"
+    replicated = _manager(rep_root, rep_base, node, storage_options=options, persist_every=0, keep_local=None,
+                          replicas=1)
     replicated.save("p1", model, optim, persist=True)
     expected_p1 = _snapshot(model, optim)
     replicated.wait_for_persist()

@@ -29,6 +29,7 @@ __all__ = [
     "StoragePermissionError",
     "CredentialsError",
     "StorageError",
+    "StorageFullError",
     "TransientStorageError",
     "CheckpointKeyError",
     "ReshardError",
@@ -115,6 +116,12 @@ class CredentialsError(StoragePermissionError):
 
 class StorageError(DcpExtError, OSError):
     """Any other storage failure, after retries where they apply."""
+
+
+class StorageFullError(StorageError):
+    """The storage has no room for the checkpoint: the device is full
+    (``ENOSPC``), a quota is reached, or a tiered save's local tier lacks
+    room for it (``local_tier_bytes``, or its free space)."""
 
 
 class TransientStorageError(StorageError):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import itertools
 import logging
 import os
 import threading
@@ -50,7 +51,14 @@ from torch import nn
 from ._dcp_calls import AsyncSaveHandle, run_load, run_save, start_async_save
 from .codecs import Codec, resolve_codec
 from .config import IOConfig
-from .errors import CheckpointExistsError, CheckpointNotFoundError, DcpExtError, NotACheckpointError, PostCommitError
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    DcpExtError,
+    NotACheckpointError,
+    PostCommitError,
+    StorageFullError,
+)
 from .full import save_full
 from .layout import PARTITION_FILE, USER_CONTENT_FILE, MeshInfo, Partition, TagInfo, user_content_name, validate_tag
 from .metadata import METADATA_FILE
@@ -134,6 +142,13 @@ class CheckpointManager:
         replicas: With ``local_tier``: ``1`` to also keep each node's data
             files in its partner node's tier (sent over the process group),
             so that a node whose tier is lost restores from its partner.
+        local_tier_bytes: With ``local_tier``: the most bytes this node's
+            tier may hold (a share of ``/dev/shm``, say; the node leader's
+            value counts). Before each tiered save every node's room (this
+            cap and the free space) is checked; a save that does not fit in
+            some node's tier goes straight to ``root`` instead, and its
+            handle (or a synchronous ``save``) raises
+            :class:`~dcp_ext.errors.StorageFullError` naming the node.
 
     Attributes:
         checkpoints: The :class:`~dcp_ext.root.CheckpointRoot` (tags, ``newest``, deletion).
@@ -157,6 +172,7 @@ class CheckpointManager:
         persist_every: int = 10,
         keep_local: int | None = 2,
         replicas: int = 0,
+        local_tier_bytes: int | None = None,
     ) -> None:
         if async_uploads not in ("thread", "process"):
             raise ValueError(f"async_uploads must be 'thread' or 'process', got {async_uploads!r}")
@@ -166,6 +182,10 @@ class CheckpointManager:
             raise ValueError(f"keep_local must be >= 1 or None, got {keep_local}")
         if replicas not in (0, 1):
             raise ValueError(f"replicas must be 0 or 1, got {replicas}")
+        if local_tier_bytes is not None and local_tier_bytes < 0:
+            raise ValueError(f"local_tier_bytes must be >= 0 or None, got {local_tier_bytes}")
+        if local_tier is not None and "://" in normalize_path(local_tier):
+            raise ValueError(f"local_tier must be a directory on this node, got the URL {os.fspath(local_tier)!r}")
         self.root = normalize_path(root)
         self.compression = resolve_codec(compression)
         self.storage_options = dict(storage_options or {})
@@ -187,6 +207,7 @@ class CheckpointManager:
         self.persist_every = persist_every
         self.keep_local = keep_local
         self.replicas = replicas
+        self.local_tier_bytes = local_tier_bytes
         self.local: LocalTier | None = None
         self._saves = 0
         self._draining: set[str] = set()
@@ -389,6 +410,11 @@ class CheckpointManager:
         assert self.local is not None
         self._saves += 1
         persist = persist or (self.persist_every > 0 and self._saves % self.persist_every == 0)
+        lacking = self.local.lacking_room(_state_nbytes(model, optimizer) + _SMALL_FILES_ALLOWANCE,
+                                          self.local_tier_bytes, self.replicas)
+        if lacking is not None:
+            return self._save_past_full_tier(tag, model, optimizer, user_content, policy, async_save, overwrite,
+                                             lacking)
         state = _app_state(model, optimizer)
         nodes = self.local.nodes
         planner = LayoutSavePlanner(
@@ -425,6 +451,36 @@ class CheckpointManager:
             handle.set_result(None)
 
         self._tier_steps.submit(finish)
+        with self._lock:
+            self._pending = handle
+        return handle
+
+    def _save_past_full_tier(
+        self,
+        tag: str,
+        model: nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        user_content: bytes | None,
+        policy: RetentionPolicy | None,
+        async_save: bool,
+        overwrite: bool,
+        lacking: str,
+    ) -> AsyncSaveHandle | None:
+        """(all ranks) A tiered save that some node's tier has no room for:
+        save it straight to the root, then report the full tier (the same
+        error on every rank: the handle's, or raised by a synchronous save)."""
+        full = StorageFullError(
+            f"checkpoint {tag!r} was not saved to the local tiers: {lacking}; it is saved straight to "
+            f"{self.root} instead (free space in the local tier, lower keep_local, or raise local_tier_bytes)",
+            self.local.path if self.local is not None else None,
+        )
+        log.warning("%s", full)
+        direct = self._save_partial(tag, model, optimizer, user_content, policy, async_save, overwrite)
+        if direct is None:
+            raise full
+        handle = AsyncSaveHandle(direct.staging_completion)
+        handle.persist_completion = direct
+        direct.add_done_callback(lambda _: handle.set_exception(full))
         with self._lock:
             self._pending = handle
         return handle
@@ -782,6 +838,33 @@ def _copy_outcome(source: concurrent.futures.Future[None], target: concurrent.fu
         target.set_exception(error)
 
 
+#: Bytes a rank may write beside its tensors in one save (headers, metadata, partition).
+_SMALL_FILES_ALLOWANCE = 1 << 20
+
+
+def _state_nbytes(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of this rank's shards of the model's and optimizer's tensors:
+    what a save writes at most (uncompressed)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(value: Any) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor) and id(value) not in seen:
+            seen.add(id(value))
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+
+    if model is not None:
+        for value in itertools.chain(model.parameters(), model.buffers()):
+            add(value)
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            for value in per_param.values():
+                add(value)
+    return total
+
+
 def _app_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}`` state dicts as DCP saves and loads them."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -831,7 +914,7 @@ def save_checkpoint(
 
     Extra keyword arguments: ``process_group``, ``mesh``, ``config``,
     ``compression``, ``async_uploads``, ``local_tier``, ``persist_every``,
-    ``keep_local``, ``replicas`` (for the manager) and ``overwrite``,
+    ``keep_local``, ``replicas``, ``local_tier_bytes`` (for the manager) and ``overwrite``,
     ``full_format``, ``include_optimizer``, ``retention``, ``persist``.
 
     Calls with the same root and manager arguments share one manager for the
@@ -851,7 +934,7 @@ def save_checkpoint(
 
 
 _MANAGER_ARGS = ("process_group", "mesh", "config", "compression", "async_uploads", "local_tier", "persist_every",
-                 "keep_local", "replicas")
+                 "keep_local", "replicas", "local_tier_bytes")
 
 # Managers of save_checkpoint(), by root and manager arguments (see there).
 _SHARED_MANAGERS: dict[tuple[Any, ...], CheckpointManager] = {}

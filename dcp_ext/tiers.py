@@ -33,6 +33,8 @@ copy is intact, and a damaged one is read again from the next source.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +98,7 @@ class LocalTier:
     """
 
     def __init__(self, path: str, config: IOConfig, nodes: NodeMap, group: GroupView) -> None:
+        self.path = path
         self.checkpoints = CheckpointRoot(path, config)
         self.nodes = nodes
         self.group = group
@@ -112,6 +115,46 @@ class LocalTier:
         return self.checkpoints.partial_url(tag)
 
     # -- save ---------------------------------------------------------------------
+    def lacking_room(self, need: int, capacity: int | None, replicas: int) -> str | None:
+        """(all ranks) Why some node's tier cannot hold one more save, or ``None``.
+
+        Each rank brings the bytes it is about to write (``need``); a node
+        must hold its own ranks' bytes and, with replicas, those of the nodes
+        it is the partner of. Its room is the file system's free space and,
+        with a ``capacity`` (the leader's ``local_tier_bytes``), what that
+        leaves beside the files already in the tier. The old tags that local
+        retention would delete still count: they go only after the new tag
+        has committed.
+
+        Returns:
+            The same sentence on every rank, naming the node, its directory and
+            the bytes, or ``None`` when every node has room.
+        """
+        free = used = 0
+        if self.is_leader:
+            try:
+                os.makedirs(self.path, exist_ok=True)
+                free = shutil.disk_usage(self.path).free
+                used = _tree_bytes(self.path) if capacity is not None else 0
+            except OSError as err:
+                free = -1
+                log.warning("cannot read the free space of the local tier %s: %s", self.path, err)
+        every = self.group.all_gather((need, free, used, capacity, self.path))
+        nodes = self.nodes
+        for node in range(nodes.node_count):
+            held = [node] + ([n for n in range(nodes.node_count) if n != node and nodes.partner_of(n) == node]
+                             if replicas else [])
+            wanted = sum(every[rank][0] for n in held for rank in nodes.ranks_on(n))
+            _, free, used, cap, path = every[nodes.leader_of(node)]
+            if free < 0:
+                return f"node {node}'s local tier {path} cannot be inspected"
+            room = free if cap is None else min(free, cap - used)
+            if wanted > room:
+                limit = f"local_tier_bytes={cap} with {used} bytes in use, " if cap is not None else ""
+                return (f"node {node}'s local tier {path} has room for {max(room, 0)} bytes ({limit}{free} free "
+                        f"on its file system) and this save needs {wanted}")
+        return None
+
     def spread_commit(self, tag: str) -> None:
         """(all ranks) Copy the coordinator's commit files of ``tag`` to every
         other node, the metadata last. Every rank raises the same error if any
@@ -240,6 +283,18 @@ class LocalTier:
         every = self.group.all_gather(mine)
         found = [inv for inv in every if inv is not None]
         return sorted(found, key=lambda inv: inv.node)
+
+
+def _tree_bytes(path: str) -> int:
+    """Bytes in the files under ``path``."""
+    total = 0
+    for folder, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(folder, name), follow_symlinks=False).st_size
+            except OSError:
+                pass  # removed meanwhile
+    return total
 
 
 def is_replicated_file(name: str) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+import pytest
+
 from tests.support.backends import BUCKET
 from tests.support.dist import run_world
 from tests.support.tier_workers import tier_suite
@@ -52,6 +54,12 @@ def test_local_saves_drains_and_restores_from_the_fastest_intact_copy(tmp_path: 
     errors = {report["drain_error"] for report in reports}
     assert len(errors) == 1 and None not in errors, errors
     assert r0["after_retry_root_tags"] == ["f2"] and r0["after_retry_root_newest"] == "f2"
+    # A full tier on node 1: the same error on every rank, the save in the root only.
+    assert len({report["full_error"] for report in reports}) == 1
+    assert "node 1's local tier" in r0["full_error"] and "saved straight to" in r0["full_error"], r0["full_error"]
+    assert r0["full_root_tags"] == ["t1"] and not any(report["full_local_has_t1"] for report in reports)
+    for report in reports:
+        assert report["restore_past_full"].get("local", 0) == 0 and report["restore_past_full"]["root"] > 0, report
     # Replicas: each node keeps its partner's files too.
     assert sharded(r0["replica_files_r1"]) == sorted(
         f"{kind}_rank{r}.distcp" for kind in ("model", "optimizer") for r in range(4)), r0["replica_files_r1"]
@@ -102,6 +110,24 @@ def test_one_process_tiers_ls_and_verify(tmp_path: Path, capsys) -> None:
     assert f"persistent, local:{local}" in rows["b"]
     assert main(["verify", str(local / "a_partial"), "--local-copy", "-q"]) == 0
     assert "OK" in capsys.readouterr().out
+
+    # A local tier with no room (local_tier_bytes below one save): the save
+    # goes straight to the root and then raises StorageFullError naming the tier.
+    tight_root, tight_local = tmp_path / "tight_root", tmp_path / "tight_local"
+    with dcp_ext.CheckpointManager(tight_root, local_tier=tight_local, local_tier_bytes=4096) as manager:
+        with pytest.raises(dcp_ext.StorageFullError, match=r"node 0's local tier .*tight_local has room for 4096 bytes"):
+            manager.save("c", model, optim)
+        assert manager.tags() == ["c"] and manager.read_newest() == "c"
+        assert not (tight_local / "c_partial").exists()
+        with torch.no_grad():
+            model.weight.zero_()
+        assert manager.resume(model, optim).tag == "c"
+        by_source = manager.last_reader.store.bytes_by_source()
+        assert by_source.get("local", 0) == 0 and by_source["root"] > 0, by_source
+    for key, value in expected.items():
+        assert torch.equal(model.state_dict()[key], value), key
+    with pytest.raises(ValueError, match="local_tier must be a directory"):
+        dcp_ext.CheckpointManager(tight_root, local_tier="s3://bucket/local")
 
 
 def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from ..errors import (
     DcpExtError,
     NotACheckpointError,
     StorageError,
+    StorageFullError,
     StoragePermissionError,
 )
 from ._base import TMP_MARK, ObjectWriter, Store, request_views, scatter
@@ -85,7 +86,7 @@ def translate_os_error(err: OSError, where: str, doing: str) -> DcpExtError:
             f"{where}: a parent of this path is a file, not a directory ({doing})", where
         )
     if code in (errno.ENOSPC, errno.EDQUOT):
-        return StorageError(
+        return StorageFullError(
             f"no space left {doing} {where}: free space or raise the quota "
             f"({err.strerror})",
             where,

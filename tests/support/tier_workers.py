@@ -142,6 +142,28 @@ def tier_suite(rank: int, world_size: int, root: str, local_base: str, options: 
     failing.close()
     manager.close()
 
+    # 7. Node 1's tier has no room (local_tier_bytes=4096 there): the async
+    #    save goes straight to the root; every rank's handle fails with the
+    #    same StorageFullError naming node 1; the root's copy restores.
+    full_base = os.path.join(local_base, "full")
+    tight = _manager(root.rstrip("/") + "-full", full_base, node, storage_options=options, persist_every=0,
+                     local_tier_bytes=4096 if node == 1 else None)
+    handle = tight.save("t1", model, optim, async_save=True)
+    handle.staging_completion.result()
+    expected_t1 = _snapshot(model, optim)
+    _train_on(model, optim)
+    error = handle.exception(timeout=120)
+    assert isinstance(error, dcp_ext.StorageFullError), repr(error)
+    report["full_error"] = str(error)
+    handle.persist_completion.result(timeout=120)
+    report["full_root_tags"] = tight.tags()
+    report["full_local_has_t1"] = (Path(node_dir(full_base, node)) / partial_dir("t1")).exists()
+    tag, got, by_source = _restore(tight, world_size)
+    assert tag == "t1", tag
+    assert_same_state(expected_t1, got, "restore of t1, saved past a full local tier")
+    report["restore_past_full"] = by_source
+    tight.close()
+
     # 6. Peer replicas: node 1's tier is wiped and restored from node 0's
     #    replicas, no byte from the root; then both nodes are wiped and the
     #    newest persisted tag comes from the root.

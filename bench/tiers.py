@@ -1,32 +1,37 @@
 """Tiered checkpoints: ``python -m bench.tiers``.
 
 Two gloo ranks play two nodes (``DCP_EXT_NODE_RANK`` = rank), each with its
-own local-tier directory under ``--workdir``; the persistent root is a
-bucket on SeaweedFS on 127.0.0.1 (started as ``python -m bench`` starts it).
-The state is the FSDP2 model + Adam of ``bench.blocking`` (``--state-size``
-over both ranks, default 1 GiB).
+own local-tier directory, in two tiers measured side by side: a **disk
+tier** under ``--workdir`` and a **memory tier** under ``--memory-dir``
+(``/dev/shm``). The persistent root is a bucket on SeaweedFS on 127.0.0.1
+(started as ``python -m bench`` starts it; it writes to the same disk as the
+disk tier). The state is the FSDP2 model + Adam of ``bench.blocking``
+(``--state-size`` over both ranks, default 1 GiB).
 
-Saves, ``--saves`` rounds (default 4), each after one training step, the two
-systems in alternating order:
+Saves, ``--saves`` rounds (default 4), each after one training step, the
+systems in rotating order:
 
 * **direct**: ``CheckpointManager(s3_root).save(...)`` (synchronous): the
   time the call takes is the time training is stopped and the time until
   the checkpoint is safe in S3;
-* **tiered**: ``CheckpointManager(s3_root2, local_tier=node_dir,
+* **tiered** (per tier): ``CheckpointManager(s3_root_t, local_tier=node_dir,
   replicas=1).save(..., async_save=True)``: *blocked* is the call, *local
   commit* the time from the call until ``handle.result()`` (committed and
   replicated in both nodes' local tiers), waited for right away. The last
   round's save is also persisted (drained to S3); its drain time is shown.
 
 Restores of the last tiered tag into a fresh model and optimizer, ``--restores``
-rounds (default 3) in alternating order, page cache as left by the saves:
+rounds (default 3) in rotating order, page cache as left by the saves:
 
-* **local tier**: ``tiered.resume()``;
-* **S3**: ``CheckpointManager(s3_root2).resume(tag=...)`` (no local tier);
-* **partner replica**: node 1's tier is deleted first, then ``tiered.resume()``:
-  node 1's files come back from node 0 over the process group.
+* **S3**: ``CheckpointManager(s3_root_disk).resume(tag=...)`` (no local tier);
+* **local tiers** (per tier): ``tiered.resume()``;
+* **partner replica** (per tier): node 1's tier is deleted first, then
+  ``tiered.resume()``: node 1's files come back from node 0 over the process
+  group (and are written into node 1's tier again) before the load.
 
-Every time is the slower rank's; medians over rounds (the first save round
+Before each timed save and restore every rank waits until all dirty pages
+are written back (``os.sync()``), so that no system pays for the writeback
+of the one before it. Every time is the slower rank's; medians over rounds (the first save round
 apart: it allocates the staging buffers). Bytes read from S3 are counted by
 the restore's reader (``bytes_by_source``).
 
@@ -53,10 +58,18 @@ from dcp_ext.config import parse_size
 from tests.support.dist import run_world
 
 
-def _timed(fn: Any) -> tuple[float, Any]:
+def _settle() -> None:
+    """(all ranks) Write back every dirty page (the last system's files, the
+    S3 server's) before the next timed step, so each starts on an idle disk."""
     import torch.distributed as dist
 
     dist.barrier()
+    os.sync()
+    dist.barrier()
+
+
+def _timed(fn: Any) -> tuple[float, Any]:
+    _settle()
     start = time.perf_counter()
     value = fn()
     return time.perf_counter() - start, value
@@ -69,51 +82,55 @@ def tiers_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     import dcp_ext
 
     os.environ[dcp_ext.nodes.NODE_RANK_ENV] = str(rank)
-    node_dir = os.path.join(cfg["workdir"], f"node{rank}")
     model, optim, batch = build_training(rank, world_size, cfg["width"], cfg["layers"])
     forward_backward(model, batch)
     optimizer_step(optim)
     group = dist.new_group(backend="gloo")
     options = cfg["options"]
     direct = dcp_ext.CheckpointManager(cfg["direct_root"], storage_options=options, process_group=group)
-    tiered = dcp_ext.CheckpointManager(cfg["tiered_root"], storage_options=options, process_group=group,
-                                       local_tier=node_dir, persist_every=0, keep_local=2, replicas=1)
+    tiers = list(cfg["tiers"])  # e.g. ["disk", "memory"]
+    node_dirs = {t: os.path.join(cfg["tiers"][t], f"node{rank}") for t in tiers}
+    tiered = {t: dcp_ext.CheckpointManager(f"{cfg['tiered_root']}-{t}", storage_options=options, process_group=group,
+                                           local_tier=node_dirs[t], persist_every=0, keep_local=2, replicas=1)
+              for t in tiers}
     out: dict[str, Any] = {"rank": rank, "saves": [], "restores": []}
     last = cfg["saves"] - 1
+    systems = ["direct", *tiers]
     for i in range(cfg["saves"]):
         forward_backward(model, batch)
         optimizer_step(optim)
         record: dict[str, Any] = {}
-        order = ["direct", "tiered"] if i % 2 == 0 else ["tiered", "direct"]
-        for system in order:
+        for system in systems[i % len(systems):] + systems[:i % len(systems)]:  # rotate the order
             if system == "direct":
                 record["direct"], _ = _timed(lambda tag=f"d{i}": direct.save(tag, model, optim))
                 continue
-            dist.barrier()
+            _settle()
             start = time.perf_counter()
-            handle = tiered.save(f"t{i}", model, optim, async_save=True, persist=i == last)
-            record["blocked"] = time.perf_counter() - start
+            handle = tiered[system].save(f"t{i}", model, optim, async_save=True, persist=i == last)
+            record[f"{system}_blocked"] = time.perf_counter() - start
             handle.staging_completion.result()
             handle.result()
-            record["local_commit"] = time.perf_counter() - start
+            record[f"{system}_local_commit"] = time.perf_counter() - start
             if handle.persist_completion is not None:
                 handle.persist_completion.result()
-                record["persisted"] = time.perf_counter() - start
+                record[f"{system}_persisted"] = time.perf_counter() - start
         out["saves"].append(record)
     tag = f"t{last}"
-    plain = dcp_ext.CheckpointManager(cfg["tiered_root"], storage_options=options, process_group=group)
+    plain = dcp_ext.CheckpointManager(f"{cfg['tiered_root']}-{tiers[0]}", storage_options=options,
+                                      process_group=group)
     fresh, fresh_optim, _ = build_training(rank, world_size, cfg["width"], cfg["layers"])
     forward_backward(fresh, batch)
     optimizer_step(fresh_optim)
+    sources = ["s3", *(f"{t}_{kind}" for t in tiers for kind in ("local", "replica"))]
     for r in range(cfg["restores"]):
         record = {}
-        order = ["local", "s3", "replica"] if r % 2 == 0 else ["replica", "s3", "local"]
-        for source in order:
-            if source == "replica":
+        for source in sources[r % len(sources):] + sources[:r % len(sources)]:
+            tier, _, kind = source.partition("_")
+            if kind == "replica":
                 dist.barrier()
                 if rank == 1:
-                    shutil.rmtree(node_dir)
-            manager = plain if source == "s3" else tiered
+                    shutil.rmtree(node_dirs[tier])
+            manager = plain if source == "s3" else tiered[tier]
             wanted = tag if source == "s3" else None
             seconds, result = _timed(lambda m=manager, t=wanted: m.resume(fresh, fresh_optim, tag=t))
             assert result.tag == tag, (source, result.tag)
@@ -123,9 +140,11 @@ def tiers_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
             record[f"{source}_root_bytes"] = by_source().get("root", 0) if by_source else record[f"{source}_bytes"]
         out["restores"].append(record)
     direct.close()
-    tiered.close()
+    for manager in tiered.values():
+        manager.close()
     plain.close()
     out["state_bytes"] = sum(t.numel() * t.element_size() for t in _local_tensors(model, optim))
+    dist.barrier()
     return out
 
 
@@ -137,7 +156,7 @@ def _local_tensors(model: Any, optim: Any) -> list[Any]:
     return [v for v in local_leaves(app_state(model, optim)).values() if isinstance(v, torch.Tensor)]
 
 
-def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(ranks: list[dict[str, Any]], tiers: list[str]) -> dict[str, Any]:
     """Slower rank per round; medians over rounds (saves: rounds 2..n)."""
     med = statistics.median
     saves = [{k: max(r["saves"][i].get(k, 0.0) for r in ranks) for k in ranks[0]["saves"][i]}
@@ -145,59 +164,72 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     restores = [{k: max(r["restores"][i][k] for r in ranks) for k in ranks[0]["restores"][i]}
                 for i in range(len(ranks[0]["restores"]))]
     steady = saves[1:] or saves
-    return {
-        "saves": saves, "restores": restores,
-        "direct": med(s["direct"] for s in steady), "blocked": med(s["blocked"] for s in steady),
-        "local_commit": med(s["local_commit"] for s in steady),
-        "persisted": saves[-1].get("persisted"),
-        **{src: med(r[src] for r in restores) for src in ("local", "s3", "replica")},
-        **{f"{src}_root_bytes": max(r[f"{src}_root_bytes"] for r in restores) for src in ("local", "replica")},
-        "state_bytes": max(r["state_bytes"] for r in ranks),
-    }
+    out: dict[str, Any] = {"saves": saves, "restores": restores, "direct": med(s["direct"] for s in steady),
+                           "s3": med(r["s3"] for r in restores),
+                           "state_bytes": max(r["state_bytes"] for r in ranks)}
+    for t in tiers:
+        out[t] = {
+            "blocked": med(s[f"{t}_blocked"] for s in steady),
+            "local_commit": med(s[f"{t}_local_commit"] for s in steady),
+            "persisted": saves[-1].get(f"{t}_persisted"),
+            **{kind: med(r[f"{t}_{kind}"] for r in restores) for kind in ("local", "replica")},
+            **{f"{kind}_root_bytes": max(r[f"{t}_{kind}_root_bytes"] for r in restores)
+               for kind in ("local", "replica")},
+        }
+    return out
+
+
+_TIER_TITLES = {"disk": "disk tier", "memory": "memory tier (`/dev/shm`)"}
 
 
 def render(record: dict[str, Any]) -> str:
     s, m, p = record["summary"], record["machine"], record["params"]
-    ms = lambda x: f"{x * 1e3:,.0f}"  # noqa: E731
-    targets = [
-        ("blocked per save, tiered async / direct S3 save", s["blocked"] / s["direct"], 0.1, "≤"),
-        ("local commit (incl. replica), tiered / direct S3 save", s["local_commit"] / s["direct"], 0.25, "≤"),
-        ("restore from S3 / from the local tier", s["s3"] / s["local"], 4.0, "≥"),
-        ("restore from S3 / from the partner replica (node 1 wiped)", s["s3"] / s["replica"], 2.0, "≥"),
-    ]
+    tiers = p["tiers"]
+    ms = lambda x: f"{x * 1e3:,.0f}" if x else "–"  # noqa: E731
+    head = " | ".join(_TIER_TITLES[t] for t in tiers)
+    row = lambda label, key: f"| {label} | " + " | ".join(ms(s[t][key]) for t in tiers) + " |"  # noqa: E731
     lines = [
         f"Run of {record['date']} on `{m['machine_id']}`: {m['cpu_count']} × {m['cpu_model']}, "
         f"{m['ram_gib']:.1f} GiB RAM; torch {m['versions'].get('torch')}, dcp_ext {m['versions'].get('dcp_ext')} "
         f"(commit `{m['git_commit'][:12]}`{', dirty tree' if m['git_dirty'] else ''}); load average at start/end "
         f"{m['loadavg_start']} / {record['loadavg_end']}; run time {record['runtime_seconds'] / 60:.1f} min.",
         "",
-        f"2 ranks as 2 simulated nodes (one local-tier directory each, on `{m.get('workdir_device', '?')}`), "
-        f"FSDP2 + Adam, {s['state_bytes'] / MiB:,.0f} MiB of state per rank; persistent root on SeaweedFS "
-        f"(127.0.0.1). {p['saves']} save rounds, {p['restores']} restore rounds, alternating order; times are the "
-        f"slower rank's, medians (saves: rounds 2..n).",
+        f"2 ranks as 2 simulated nodes, FSDP2 + Adam, {s['state_bytes'] / MiB:,.0f} MiB of state per rank, "
+        f"`replicas=1`; local tiers on the disk (`{m.get('workdir_device', '?')}`, the disk SeaweedFS "
+        f"also writes to) and in `/dev/shm`; persistent root on SeaweedFS (127.0.0.1). {p['saves']} save "
+        f"rounds, {p['restores']} restore rounds, order rotated, `sync` before each; times are the slower rank's, medians "
+        f"(saves: rounds 2..n). A direct S3 save takes **{ms(s['direct'])} ms** (`save`, synchronous: "
+        f"training stopped until committed in S3); a restore from S3 **{ms(s['s3'])} ms**.",
         "",
         f"Command: `{record['command']}`",
         "",
-        "| | ms |",
-        "|---|---:|",
-        f"| direct S3 save (`save`, synchronous: training stopped until committed in S3) | {ms(s['direct'])} |",
-        f"| tiered save: blocked (`save(async_save=True)` call) | {ms(s['blocked'])} |",
-        f"| tiered save: until committed and replicated in both local tiers | {ms(s['local_commit'])} |",
-        f"| tiered save: until drained to S3 (last round, `persist=True`) | "
-        f"{ms(s['persisted']) if s['persisted'] else '–'} |",
-        f"| restore from the local tiers | {ms(s['local'])} |",
-        f"| restore from S3 | {ms(s['s3'])} |",
-        f"| restore after node 1's tier was deleted (node 0's replicas sent over gloo) | {ms(s['replica'])} |",
+        f"| ms | {head} |",
+        "|---|" + "---:|" * len(tiers),
+        row("tiered save: blocked (`save(async_save=True)` call)", "blocked"),
+        row("tiered save: until committed and replicated in both local tiers", "local_commit"),
+        row("tiered save: until drained to S3 (last round, `persist=True`)", "persisted"),
+        row("restore from the local tiers", "local"),
+        row("restore after node 1's tier was deleted (node 0's replicas sent over gloo)", "replica"),
         "",
-        "| target | measured | threshold | met |",
-        "|---|---|---|---|",
+        f"| target | threshold | {head} |",
+        "|---|---|" + "---|" * len(tiers),
+    ]
+    targets = [
+        ("blocked per save / direct S3 save", lambda t: s[t]["blocked"] / s["direct"], 0.1, "≤"),
+        ("local commit (incl. replica) / direct S3 save", lambda t: s[t]["local_commit"] / s["direct"], 0.25, "≤"),
+        ("restore: from S3 / from the local tiers", lambda t: s["s3"] / s[t]["local"], 4.0, "≥"),
+        ("restore: from S3 / from the partner replica", lambda t: s["s3"] / s[t]["replica"], 2.0, "≥"),
     ]
     for label, value, threshold, op in targets:
-        ok = value <= threshold if op == "≤" else value >= threshold
-        lines.append(f"| {label} | {value:.3f}× | {op} {threshold}× | {'✅' if ok else '❌'} |")
-    for src, label in (("local", "local tier"), ("replica", "partner replica")):
-        lines.append(f"| bytes read from S3, restore from the {label} | {s[f'{src}_root_bytes']:,} | 0 | "
-                     f"{'✅' if s[f'{src}_root_bytes'] == 0 else '❌'} |")
+        cells = []
+        for t in tiers:
+            v = value(t)
+            ok = v <= threshold if op == "≤" else v >= threshold
+            cells.append(f"{v:.3f}× {'✅' if ok else '❌'}")
+        lines.append(f"| {label} | {op} {threshold}× | " + " | ".join(cells) + " |")
+    for kind, label in (("local", "local tiers"), ("replica", "partner replica")):
+        cells = [f"{s[t][f'{kind}_root_bytes']:,} {'✅' if s[t][f'{kind}_root_bytes'] == 0 else '❌'}" for t in tiers]
+        lines.append(f"| bytes read from S3, restore from the {label} | 0 | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -208,28 +240,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--restores", type=int, default=3)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--memory-dir", default="/dev/shm",
+                        help="where the memory tier lives ('' to measure the disk tier only)")
     parser.add_argument("--no-readme", action="store_true")
     args = parser.parse_args(argv)
     width = layer_width(parse_size(args.state_size), args.layers)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dcp_ext_tiers_")).resolve()
     owned = args.workdir is None
+    tier_dirs = {"disk": str(workdir / "tiers")}
+    memory_dir = Path(tempfile.mkdtemp(prefix="dcp_ext_tiers_", dir=args.memory_dir)) if args.memory_dir else None
+    if memory_dir is not None:
+        tier_dirs["memory"] = str(memory_dir)
     command = "python -m bench.tiers " + " ".join(argv if argv is not None else sys.argv[1:])
     started = time.monotonic()
     record: dict[str, Any] = {"date": datetime.date.today().isoformat(), "command": command,
                               "machine": machine_info(workdir),
                               "params": {"state_size": parse_size(args.state_size), "layers": args.layers,
-                                         "width": width, "saves": args.saves, "restores": args.restores}}
+                                         "width": width, "saves": args.saves, "restores": args.restores,
+                                         "tiers": list(tier_dirs)}}
     try:
         with storage("s3", workdir, "tiers") as (root, options):
             cfg = {"width": width, "layers": args.layers, "saves": args.saves, "restores": args.restores,
-                   "workdir": str(workdir / "tiers"), "options": options,
+                   "tiers": tier_dirs, "options": options,
                    "direct_root": f"{root}/direct", "tiered_root": f"{root}/tiered"}
             ranks = run_world(2, tiers_world, cfg, timeout=3600, collective_timeout=3600)
     finally:
         if owned:
             shutil.rmtree(workdir, ignore_errors=True)
+        if memory_dir is not None:
+            shutil.rmtree(memory_dir, ignore_errors=True)
     record["ranks"] = ranks
-    record["summary"] = summarize(ranks)
+    record["summary"] = summarize(ranks, list(tier_dirs))
     record["runtime_seconds"] = time.monotonic() - started
     record["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     publish(record, "tiers", render(record), readme=not args.no_readme)

@@ -3,7 +3,7 @@
 With ``replicas=1``, node ``n``'s data files of a tag are also kept by its
 partner node (:meth:`~dcp_ext.nodes.NodeMap.partner_of`), in the partner's
 own local-tier directory for that tag. Files move only over the process
-group (gloo point-to-point sends of 64 MiB pieces); no rank ever opens
+group (gloo point-to-point sends of 64 MiB pieces, both directions at once); no rank ever opens
 another node's path.
 
 :func:`send_files` is the one transfer primitive: a list of
@@ -16,13 +16,16 @@ back from its partner before loading.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ._failpoints import crash_point
+from ._ranges import ReadRequest
 from .errors import DcpExtError
 from .process_group import GroupView
 from .storage import ObjectWriter, Store
@@ -78,46 +81,107 @@ def send_files(group: GroupView, transfers: Sequence[Transfer], source: Store | 
     (read from ``source``) and writes what it is the target of (into
     ``target``, each file committed whole or not at all).
 
-    Every rank raises the same error if any transfer failed on any rank.
+    Sends run on a thread of their own while this thread receives and writes,
+    so both directions of a pair of nodes and the disk work overlap; each
+    direction keeps one global order, so a send and its receive always match.
+    A rank that fails (a read, a write) still exchanges every piece, so no peer
+    waits for it forever, then every rank raises the same error.
     """
     rank = group.rank
-    error: str | None = None
+    for transfer in transfers:
+        if transfer.source == transfer.target:
+            raise DcpExtError(f"transfer of {transfer.name} from rank {transfer.source} to itself")
+    pieces = [(tag, transfer, offset) for tag, (transfer, offset) in enumerate(
+        (t, offset) for t in transfers for offset in range(0, max(t.size, 1), _PIECE))]
+    outgoing = [p for p in pieces if p[1].source == rank]
+    incoming = [p for p in pieces if p[1].target == rank]
+    errors: list[str] = []
+    sender = None
+    if outgoing:
+        assert source is not None
+        sender = threading.Thread(target=_guarded, args=(_send_all, group, outgoing, source, errors),
+                                  name="dcp_ext-replica-send", daemon=True)
+        sender.start()
     try:
-        _run(group, rank, transfers, source, target)
+        if incoming:
+            assert target is not None
+            _guarded(_receive_all, group, incoming, target, errors)
+    finally:
+        if sender is not None:
+            sender.join()
+    mine = f"rank {rank}: {'; '.join(errors)}" if errors else None
+    every = [e for e in group.all_gather(mine) if e is not None]
+    if every:
+        raise DcpExtError("sending data files between nodes failed: " + "; ".join(every))
+
+
+_Piece = tuple[int, Transfer, int]
+
+
+def _guarded(step: Any, group: GroupView, pieces: Sequence[_Piece], store: Store, errors: list[str]) -> None:
+    """Run a send or receive loop; a failure of the process group itself
+    (a peer died) is recorded, for the all-gather that follows to report."""
+    try:
+        step(group, pieces, store, errors)
     except (DcpExtError, OSError, RuntimeError) as err:
-        error = f"rank {rank}: {err}"
-    errors = [e for e in group.all_gather(error) if e is not None]
-    if errors:
-        raise DcpExtError("sending data files between nodes failed: " + "; ".join(errors))
+        errors.append(f"{step.__name__.strip('_').replace('_', ' ')}: {err}")
 
 
-def _run(group: GroupView, rank: int, transfers: Sequence[Transfer], source: Store | None,
-         target: Store | None) -> None:
-    # Pieces go in one global order, so a send and its receive always match.
-    pieces = [(t, offset) for t in transfers for offset in range(0, max(t.size, 1), _PIECE)
-              if rank in (t.source, t.target)]
+def _send_all(group: GroupView, pieces: Sequence[_Piece], source: Store, errors: list[str]) -> None:
+    """(sender thread) Read each piece into a buffer and send it; two buffers
+    alternate, so the next read runs while the last piece is on the wire."""
+    buffers = [torch.empty(min(_PIECE, max(t.size for _, t, _ in pieces)), dtype=torch.uint8) for _ in range(2)]
+    in_flight: list[Any] = [None, None]
+    for i, (tag, transfer, offset) in enumerate(pieces):
+        crash_point("mid_replication")
+        slot = i % 2
+        if in_flight[slot] is not None:
+            in_flight[slot].wait()
+        length = min(_PIECE, transfer.size - offset)
+        buffer = buffers[slot][:length]
+        if length and not errors:
+            try:
+                view = memoryview(buffer.numpy())
+                source.read([ReadRequest(transfer.name, offset, length, ((0, view),))])
+            except (DcpExtError, OSError) as err:
+                errors.append(f"reading {source.describe(transfer.name)}: {err}")
+        in_flight[slot] = dist.isend(buffer, dst=_global(group, transfer.target), group=group.group, tag=tag)
+    for work in in_flight:
+        if work is not None:
+            work.wait()
+
+
+def _receive_all(group: GroupView, pieces: Sequence[_Piece], target: Store, errors: list[str]) -> None:
+    """Receive each piece and write it; the next piece's receive is posted
+    before this one is written. After an error the rest is received and dropped."""
+    size = min(_PIECE, max(t.size for _, t, _ in pieces))
+    buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
     writers: dict[str, ObjectWriter] = {}
+
+    def post(i: int) -> Any:
+        tag, transfer, offset = pieces[i]
+        length = min(_PIECE, transfer.size - offset)
+        return dist.irecv(buffers[i % 2][:length], src=_global(group, transfer.source), group=group.group, tag=tag)
+
     try:
-        for transfer, offset in pieces:
+        pending = post(0)
+        for i, (_, transfer, offset) in enumerate(pieces):
             crash_point("mid_replication")
+            pending.wait()
+            if i + 1 < len(pieces):
+                pending = post(i + 1)  # lands in the other buffer while this one is written
+            if errors:
+                continue
             length = min(_PIECE, transfer.size - offset)
-            if transfer.source == transfer.target:
-                raise DcpExtError(f"transfer of {transfer.name} from rank {rank} to itself")
-            if transfer.source == rank:
-                assert source is not None
-                data = source.read_range(transfer.name, offset, length) if length else b""
-                tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
-                dist.send(tensor, dst=_global(group, transfer.target), group=group.group)
-            else:
-                assert target is not None
-                buffer = torch.empty(length, dtype=torch.uint8)
-                dist.recv(buffer, src=_global(group, transfer.source), group=group.group)
+            try:
                 writer = writers.get(transfer.name)
                 if writer is None:
                     writer = writers[transfer.name] = target.open_writer(transfer.name, size_hint=transfer.size)
-                writer.write(memoryview(buffer.numpy()))
+                writer.write(memoryview(buffers[i % 2].numpy())[:length])
                 if offset + _PIECE >= transfer.size:
                     writers.pop(transfer.name).commit()
+            except (DcpExtError, OSError) as err:
+                errors.append(f"writing {target.describe(transfer.name)}: {err}")
     finally:
         for writer in writers.values():
             writer.abort()

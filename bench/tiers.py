@@ -29,9 +29,13 @@ rounds (default 3) in rotating order, page cache as left by the saves:
   ``tiered.resume()``: node 1's files come back from node 0 over the process
   group (and are written into node 1's tier again) before the load.
 
-Before each timed save and restore every rank waits until all dirty pages
-are written back (``os.sync()``), so that no system pays for the writeback
-of the one before it. Every time is the slower rank's; medians over rounds (the first save round
+Before each timed save and restore all dirty pages are written back
+(``os.sync()``), so that no system pays for the writeback of the one before
+it; before each save the clean page cache is also dropped (when the bench
+runs as root), so that every save finds the same free memory (on a 24 GiB
+machine the tiers, the S3 server's files and the page cache otherwise
+compete for it, and whoever comes later pays for reclaim). Direct saves
+keep 2 tags in S3, as each local tier does (``keep_local=2``). Every time is the slower rank's; medians over rounds (the first save round
 apart: it allocates the staging buffers). Bytes read from S3 are counted by
 the restore's reader (``bytes_by_source``).
 
@@ -58,18 +62,31 @@ from dcp_ext.config import parse_size
 from tests.support.dist import run_world
 
 
-def _settle() -> None:
+_DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def can_drop_caches() -> bool:
+    return os.access(_DROP_CACHES, os.W_OK)
+
+
+def _settle(drop: bool = False) -> None:
     """(all ranks) Write back every dirty page (the last system's files, the
-    S3 server's) before the next timed step, so each starts on an idle disk."""
+    S3 server's) before the next timed step, so each starts on an idle disk;
+    with ``drop``, also drop the clean page cache (where allowed), so each
+    save finds the same free memory."""
     import torch.distributed as dist
 
     dist.barrier()
-    os.sync()
+    if dist.get_rank() == 0:
+        os.sync()
+        if drop and can_drop_caches():
+            with open(_DROP_CACHES, "w") as f:
+                f.write("1\n")
     dist.barrier()
 
 
-def _timed(fn: Any) -> tuple[float, Any]:
-    _settle()
+def _timed(fn: Any, drop: bool = False) -> tuple[float, Any]:
+    _settle(drop)
     start = time.perf_counter()
     value = fn()
     return time.perf_counter() - start, value
@@ -87,7 +104,9 @@ def tiers_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     optimizer_step(optim)
     group = dist.new_group(backend="gloo")
     options = cfg["options"]
-    direct = dcp_ext.CheckpointManager(cfg["direct_root"], storage_options=options, process_group=group)
+    # The same retention everywhere: two tags in S3 (direct) and in each local tier.
+    direct = dcp_ext.CheckpointManager(cfg["direct_root"], storage_options=options, process_group=group,
+                                       retention=dcp_ext.KeepLast(2))
     tiers = list(cfg["tiers"])  # e.g. ["disk", "memory"]
     node_dirs = {t: os.path.join(cfg["tiers"][t], f"node{rank}") for t in tiers}
     tiered = {t: dcp_ext.CheckpointManager(f"{cfg['tiered_root']}-{t}", storage_options=options, process_group=group,
@@ -102,9 +121,9 @@ def tiers_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
         record: dict[str, Any] = {}
         for system in systems[i % len(systems):] + systems[:i % len(systems)]:  # rotate the order
             if system == "direct":
-                record["direct"], _ = _timed(lambda tag=f"d{i}": direct.save(tag, model, optim))
+                record["direct"], _ = _timed(lambda tag=f"d{i}": direct.save(tag, model, optim), drop=True)
                 continue
-            _settle()
+            _settle(drop=True)
             start = time.perf_counter()
             handle = tiered[system].save(f"t{i}", model, optim, async_save=True, persist=i == last)
             record[f"{system}_blocked"] = time.perf_counter() - start
@@ -197,7 +216,8 @@ def render(record: dict[str, Any]) -> str:
         f"2 ranks as 2 simulated nodes, FSDP2 + Adam, {s['state_bytes'] / MiB:,.0f} MiB of state per rank, "
         f"`replicas=1`; local tiers on the disk (`{m.get('workdir_device', '?')}`, the disk SeaweedFS "
         f"also writes to) and in `/dev/shm`; persistent root on SeaweedFS (127.0.0.1). {p['saves']} save "
-        f"rounds, {p['restores']} restore rounds, order rotated, `sync` before each; times are the slower rank's, medians "
+        f"rounds, {p['restores']} restore rounds, order rotated, `sync` before each"
+        f"{' (and the page cache dropped before each save)' if p.get('drop_caches') else ''}; times are the slower rank's, medians "
         f"(saves: rounds 2..n). A direct S3 save takes **{ms(s['direct'])} ms** (`save`, synchronous: "
         f"training stopped until committed in S3); a restore from S3 **{ms(s['s3'])} ms**.",
         "",
@@ -257,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                               "machine": machine_info(workdir),
                               "params": {"state_size": parse_size(args.state_size), "layers": args.layers,
                                          "width": width, "saves": args.saves, "restores": args.restores,
-                                         "tiers": list(tier_dirs)}}
+                                         "tiers": list(tier_dirs), "drop_caches": can_drop_caches()}}
     try:
         with storage("s3", workdir, "tiers") as (root, options):
             cfg = {"width": width, "layers": args.layers, "saves": args.saves, "restores": args.restores,

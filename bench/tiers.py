@@ -21,7 +21,9 @@ systems in rotating order:
   round's save is also persisted (drained to S3); its drain time is shown.
 
 Restores of the last tiered tag into a fresh model and optimizer, ``--restores``
-rounds (default 3) in rotating order, page cache as left by the saves:
+rounds (default 3) in rotating order, each after the page cache was dropped
+(a restarted job on a replaced node starts cold; the memory tier, in tmpfs,
+is not dropped):
 
 * **S3**: ``CheckpointManager(s3_root_disk).resume(tag=...)`` (no local tier);
 * **local tiers** (per tier): ``tiered.resume()``;
@@ -31,8 +33,8 @@ rounds (default 3) in rotating order, page cache as left by the saves:
 
 Before each timed save and restore all dirty pages are written back
 (``os.sync()``), so that no system pays for the writeback of the one before
-it; before each save the clean page cache is also dropped (when the bench
-runs as root), so that every save finds the same free memory (on a 24 GiB
+it; the clean page cache is also dropped (when the bench runs as root), so
+that every save finds the same free memory and every restore reads cold (on a 24 GiB
 machine the tiers, the S3 server's files and the page cache otherwise
 compete for it, and whoever comes later pays for reclaim). Direct saves
 keep 2 tags in S3, as each local tier does (``keep_local=2``). Every time is the slower rank's; medians over rounds (the first save round
@@ -151,7 +153,7 @@ def tiers_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
                     shutil.rmtree(node_dirs[tier])
             manager = plain if source == "s3" else tiered[tier]
             wanted = tag if source == "s3" else None
-            seconds, result = _timed(lambda m=manager, t=wanted: m.resume(fresh, fresh_optim, tag=t))
+            seconds, result = _timed(lambda m=manager, t=wanted: m.resume(fresh, fresh_optim, tag=t), drop=True)
             assert result.tag == tag, (source, result.tag)
             record[source] = seconds
             record[f"{source}_bytes"] = manager.last_reader.store.stats.snapshot().bytes_read
@@ -217,7 +219,7 @@ def render(record: dict[str, Any]) -> str:
         f"`replicas=1`; local tiers on the disk (`{m.get('workdir_device', '?')}`, the disk SeaweedFS "
         f"also writes to) and in `/dev/shm`; persistent root on SeaweedFS (127.0.0.1). {p['saves']} save "
         f"rounds, {p['restores']} restore rounds, order rotated, `sync` before each"
-        f"{' (and the page cache dropped before each save)' if p.get('drop_caches') else ''}; times are the slower rank's, medians "
+        f"{' and the page cache dropped (restores read cold)' if p.get('drop_caches') else ''}; times are the slower rank's, medians "
         f"(saves: rounds 2..n). A direct S3 save takes **{ms(s['direct'])} ms** (`save`, synchronous: "
         f"training stopped until committed in S3); a restore from S3 **{ms(s['s3'])} ms**.",
         "",

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.backends import BUCKET
 from tests.support.dist import run_world
-from tests.support.tier_workers import tier_suite
+from tests.support.tier_workers import reshard_restore, tier_suite
 
 
 def test_local_saves_drains_and_restores_from_the_fastest_intact_copy(tmp_path: Path, moto_server) -> None:
@@ -22,6 +22,18 @@ def test_local_saves_drains_and_restores_from_the_fastest_intact_copy(tmp_path: 
     local_base = tmp_path / "local"
     reports = run_world(4, tier_suite, root, str(local_base), moto_server.storage_options(), timeout=400)
     r0 = reports[0]
+    # A different world (2 ranks, one per node) restores f2 of the 4-rank
+    # world: from the root's listing, each rank reading its node's files locally.
+    resharded = run_world(2, reshard_restore, r0["second_root"], str(local_base), moto_server.storage_options(),
+                          timeout=200)
+    for report in resharded:
+        assert report["tag"] == "f2" and not report["local_complete"], report
+        assert report["by_source"]["local"] > 0, report
+    # Only what the other node holds comes from the root: none for rank 0 (it
+    # needs saved ranks 0-1, its node's); for rank 1 (saved ranks 2-3 and one
+    # row of 513 from saved rank 1, on node 0) rank 1's files.
+    assert resharded[0]["from_root"] == [] and resharded[0]["by_source"]["root"] == 0, resharded[0]
+    assert resharded[1]["from_root"] == ["model_rank1.distcp", "optimizer_rank1.distcp"], resharded[1]
     # Saves: s1 and s3 stayed local, s2 (the 2nd save, persist_every=2) was drained.
     for report in reports[::2]:  # one rank per node
         assert report["local_tags"] == ["s2_partial", "s3_partial"], report["local_tags"]  # keep_local=2
@@ -131,8 +143,8 @@ def test_one_process_tiers_ls_and_verify(tmp_path: Path, capsys) -> None:
 
 
 def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
-    """Real 2-rank, 2-node jobs killed during the local commit, replication and
-    the drain. After each, the persistent root's newest is unchanged unless the
+    """Real 2-rank, 2-node jobs killed while writing the local tier's data, during
+    the local commit, replication and the drain. After each, the persistent root's newest is unchanged unless the
     drain committed and loads bit-exact here (one process), and the next job
     resumes bit-exact: the killed tag itself once it had committed in both
     local tiers."""
@@ -147,8 +159,9 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
 
     root, local = tmp_path / "root", tmp_path / "local"
     # (crash, committed in both local tiers before the kill, drained)
-    trials = [("none", True, True), ("1:mid_local_commit", False, False), ("0:mid_replication", True, False),
-              ("1:mid_drain", True, False), ("all:before_drain_commit", True, False), ("none", True, True)]
+    trials = [("none", True, True), ("0:mid_data", False, False), ("1:mid_local_commit", False, False),
+              ("0:mid_replication", True, False), ("1:mid_drain", True, False), ("all:before_drain_commit", True, False),
+              ("none", True, True)]
     log: list[str] = []
     newest_local = None
     drained = None
@@ -173,4 +186,4 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
             expected = make_model(int(drained.removeprefix("step"))).state_dict()
             assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), drained
     # The last clean drain removed what the killed drains left in the root.
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step1_partial", "step6_partial"], "\n".join(log)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step1_partial", "step7_partial"], "\n".join(log)

@@ -84,6 +84,10 @@ class TieredStore(Store):
                 return True
         return False
 
+    def routes(self) -> dict[str, str]:
+        """The source label each file read so far came from, by file name."""
+        return {name: self.sources[index][0] for name, index in sorted(self._route.items())}
+
     def bytes_by_source(self) -> dict[str, int]:
         """Data-file bytes read from each source, by label."""
         return {label: store.stats.snapshot().bytes_read for label, store in self.sources}

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import dcp_ext
@@ -21,6 +22,7 @@ from dcp_ext.metadata import METADATA_FILE
 from tests.support.async_workers import _snapshot, _train_on
 from tests.support.compare import assert_same_state
 from tests.support.dist_workers import app_state, local_leaves, make_fsdp
+from tests.support.reshard_workers import full_state
 
 RANKS_PER_NODE = 2
 
@@ -136,6 +138,10 @@ def tier_suite(rank: int, world_size: int, root: str, local_base: str, options: 
     dist.barrier()
     handle = failing.save("f2", model, optim, async_save=True, persist=True)
     handle.result()
+    full = full_state(model, optim)  # f2, whole tensors, for the 2-rank restore (reshard_restore)
+    if rank == 0:
+        torch.save(full, os.path.join(local_base, "f2_full.pt"))
+    report["second_root"] = f"s3://{bucket}/run"
     handle.persist_completion.result(timeout=120)
     report["after_retry_root_tags"] = failing.tags()
     report["after_retry_root_newest"] = failing.read_newest()
@@ -197,4 +203,24 @@ def tier_suite(rank: int, world_size: int, root: str, local_base: str, options: 
     assert_same_state(expected_p1, got, "restore of p1 from the root after both nodes were wiped")
     report["restore_both_wiped"] = by_source
     replicated.close()
+    return report
+
+
+def reshard_restore(rank: int, world_size: int, root: str, local_base: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Two ranks, one per node, restore ``f2`` that four ranks saved (two per
+    node) in step 5 of :func:`tier_suite`: the local tiers cannot serve a
+    different world whole, so the tag comes from the root, but each rank reads
+    the files its node holds from its own tier."""
+    manager = _manager(root, os.path.join(local_base, "second"), rank, storage_options=options, persist_every=0)
+    model, optim = make_fsdp(world_size, seed=99)
+    result = manager.resume(model, optim)
+    got = full_state(model, optim)
+    if rank == 0:
+        expected = torch.load(os.path.join(local_base, "f2_full.pt"), weights_only=False)
+        assert_same_state(expected, got, "4 ranks -> 2 ranks restore of f2 across the tiers")
+    report = {"tag": result.tag, "by_source": manager.last_reader.store.bytes_by_source(), 
+              "from_root": sorted(n for n, label in manager.last_reader.store.routes().items() if label == "root"),
+              "local_complete": manager.last_restore_plan.local_complete}
+    manager.close()
+    dist.barrier()
     return report

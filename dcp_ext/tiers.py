@@ -419,6 +419,9 @@ class RestorePlan:
             one), so no byte need come from the root.
         fetches: Files to bring from partners before loading (wiped nodes).
         healed_nodes: Nodes that get the tag committed by those fetches.
+        gathered: The tag is only in the local tiers and the current world
+            is not the saving one: every node is sent every file it lacks
+            (more bytes than a load reads, but none from the root).
     """
 
     tag: str
@@ -427,18 +430,24 @@ class RestorePlan:
     local_complete: bool
     fetches: tuple[Transfer, ...] = ()
     healed_nodes: frozenset[int] = frozenset()
+    gathered: bool = False
 
 
-def local_fetches(tag: str, inventories: Sequence[NodeInventory], nodes: NodeMap) -> tuple[Transfer, ...] | None:
+def local_fetches(tag: str, inventories: Sequence[NodeInventory], nodes: NodeMap,
+                  every_file: bool = False) -> tuple[Transfer, ...] | None:
     """The files to bring from partner nodes so that every saving rank's files of
     ``tag`` are on its own node (empty: none missing); ``None`` if the local
-    tiers cannot provide them (or the world is not the saving one)."""
+    tiers cannot provide them (or the world is not the saving one).
+
+    With ``every_file`` (a world other than the saving one, which may read any
+    file), every node is to hold every file, each received by one of its ranks.
+    """
     by_node = {inv.node: inv.tags.get(tag) for inv in inventories}
     states = [s for s in by_node.values() if s is not None]
     if not states:
         return None
     rank_files = states[0].rank_files
-    if len(rank_files) != nodes.world_size:
+    if (len(rank_files) == nodes.world_size) == every_file:
         return None
     shared = sorted(name for files in rank_files for name in files if is_replicated_file(name))
     fetches = []
@@ -446,9 +455,13 @@ def local_fetches(tag: str, inventories: Sequence[NodeInventory], nodes: NodeMap
         state = by_node.get(node)
         have = state.files if state is not None else {}
         # A node needs its ranks' files and every replicated file.
-        needed = [(name, rank) for rank in nodes.ranks_on(node) for name in rank_files[rank]
-                  if not is_replicated_file(name)]
-        needed += [(name, nodes.leader_of(node)) for name in shared]
+        ranks = nodes.ranks_on(node)
+        if every_file:
+            names = sorted({name for files in rank_files for name in files})
+            needed = [(name, ranks[i % len(ranks)]) for i, name in enumerate(names)]
+        else:
+            needed = [(name, rank) for rank in ranks for name in rank_files[rank] if not is_replicated_file(name)]
+            needed += [(name, nodes.leader_of(node)) for name in shared]
         for name, receiver in needed:
             if name in have:
                 continue
@@ -486,4 +499,8 @@ def plan_restore(
             return RestorePlan(candidate, local_nodes, candidate in in_root, True, fetches, healed)
         if candidate in in_root:
             return RestorePlan(candidate, local_nodes, True, False)
+        fetches = local_fetches(candidate, inventories, nodes, every_file=True)
+        if fetches is not None:
+            healed = frozenset(nodes.node_of(t.target) for t in fetches) - local_nodes
+            return RestorePlan(candidate, local_nodes, False, True, fetches, healed, gathered=True)
     return None

@@ -34,6 +34,12 @@ def test_local_saves_drains_and_restores_from_the_fastest_intact_copy(tmp_path: 
     # row of 513 from saved rank 1, on node 0) rank 1's files.
     assert resharded[0]["from_root"] == [] and resharded[0]["by_source"]["root"] == 0, resharded[0]
     assert resharded[1]["from_root"] == ["model_rank1.distcp", "optimizer_rank1.distcp"], resharded[1]
+    # f1 is in no root: each node was sent the other node's 4 shard files (the
+    # replicated files are on both), and nothing was read from any root.
+    for report in resharded:
+        f1 = report["f1"]
+        assert f1["tag"] == "f1" and f1["gathered"] and f1["fetched"] == 8, f1
+        assert f1["by_source"]["local"] > 0 and f1["by_source"].get("root", 0) == 0, f1
     # Saves: s1 and s3 stayed local, s2 (the 2nd save, persist_every=2) was drained.
     for report in reports[::2]:  # one rank per node
         assert report["local_tags"] == ["s2_partial", "s3_partial"], report["local_tags"]  # keep_local=2

@@ -125,8 +125,11 @@ def tier_suite(rank: int, world_size: int, root: str, local_base: str, options: 
     handle = failing.save("f1", model, optim, async_save=True, persist=True)
     handle.staging_completion.result()
     expected_f1 = _snapshot(model, optim)
-    _train_on(model, optim)
     handle.result()
+    full = full_state(model, optim)  # f1 (local tiers only), whole tensors, for reshard_restore
+    if rank == 0:
+        torch.save(full, os.path.join(local_base, "f1_full.pt"))
+    _train_on(model, optim)
     error = handle.persist_completion.exception(timeout=120)
     report["drain_error"] = None if error is None else (type(error).__name__, str(error).splitlines()[0][:200])
     tag, got, by_source = _restore(failing, world_size)
@@ -207,10 +210,11 @@ def tier_suite(rank: int, world_size: int, root: str, local_base: str, options: 
 
 
 def reshard_restore(rank: int, world_size: int, root: str, local_base: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Two ranks, one per node, restore ``f2`` that four ranks saved (two per
-    node) in step 5 of :func:`tier_suite`: the local tiers cannot serve a
-    different world whole, so the tag comes from the root, but each rank reads
-    the files its node holds from its own tier."""
+    """Two ranks, one per node, restore tags that four ranks saved (two per
+    node) in step 5 of :func:`tier_suite`: ``f2`` (also in the root: each
+    rank reads the files its node holds from its own tier, the rest from the
+    root), then ``f1`` (only in the local tiers: each node is sent the files
+    it lacks by the other)."""
     manager = _manager(root, os.path.join(local_base, "second"), rank, storage_options=options, persist_every=0)
     model, optim = make_fsdp(world_size, seed=99)
     result = manager.resume(model, optim)
@@ -221,6 +225,15 @@ def reshard_restore(rank: int, world_size: int, root: str, local_base: str, opti
     report = {"tag": result.tag, "by_source": manager.last_reader.store.bytes_by_source(), 
               "from_root": sorted(n for n, label in manager.last_reader.store.routes().items() if label == "root"),
               "local_complete": manager.last_restore_plan.local_complete}
+    model, optim = make_fsdp(world_size, seed=98)
+    result = manager.resume(model, optim, tag="f1")
+    got = full_state(model, optim)
+    if rank == 0:
+        expected = torch.load(os.path.join(local_base, "f1_full.pt"), weights_only=False)
+        assert_same_state(expected, got, "4 ranks -> 2 ranks restore of f1 from the local tiers only")
+    plan = manager.last_restore_plan
+    report["f1"] = {"tag": result.tag, "by_source": manager.last_reader.store.bytes_by_source(),
+                    "gathered": plan.gathered, "fetched": len(plan.fetches)}
     manager.close()
     dist.barrier()
     return report

@@ -365,7 +365,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def remove_own_files(self) -> None:
         """(each rank) Delete the data files this rank committed in the current
-        save. Used after a failed save so that no orphaned data remains.
+        save, and the checkpoint's directory if that left it empty. Used
+        after a failed save so that no orphaned data remains.
 
         Nothing is deleted if the checkpoint committed after all: a rank
         whose coordinator died after writing the metadata (or whose
@@ -389,6 +390,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 log.warning("could not delete %s: %s", self.store.describe(name), err)
         self._written = []
         self._release_lock()
+        try:  # a directory the failed save created and left empty (local file systems)
+            self.store.remove_root_if_empty()
+        except Exception as err:  # noqa: BLE001 - only tidiness is lost
+            log.debug("could not remove the empty %s: %s", self.store.url, err)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

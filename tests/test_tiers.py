@@ -204,3 +204,31 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
     print("\n".join(log))
     kept = sorted(p.name for p in root.iterdir() if p.is_dir())
     assert kept == sorted(f"{tag}_partial" for tag in persisted), "\n".join(log)
+
+
+def test_a_full_file_system(tmp_path: Path) -> None:
+    """A real full file system (a 3 MiB tmpfs mounted in a user namespace, no
+    privileges needed): a plain save fails with StorageFullError and keeps the
+    previous checkpoint; a tiered save that does not fit the local tier goes
+    to the root and says so."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.support import REPO
+
+    unshare = shutil.which("unshare")
+    assert unshare, "this test needs util-linux's unshare (user and mount namespaces)"
+    run = subprocess.run([unshare, "--user", "--map-root-user", "--mount", sys.executable, "-m",
+                          "tests.support.full_disk_job", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    small = str(tmp_path / "small")
+    assert "no space left" in report["plain_error"] and small in report["plain_error"], report
+    assert report["plain_newest"] == "a" and report["plain_tags"] == ["a"] and report["plain_exact"], report
+    assert report["plain_leftovers"] == ["a_partial", "newest"], report  # nothing of the failed save
+    assert "node 0's local tier" in report["tier_error"] and "saved straight to" in report["tier_error"], report
+    assert report["tier_root_tags"] == ["t2"] and "t2_partial" not in report["tier_local"], report
+    assert report["tier_resumed"] == "t2" and report["tier_exact"], report

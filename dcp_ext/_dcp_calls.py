@@ -158,7 +158,8 @@ def start_async_save(
     except BaseException as exc:
         error = _save_failure(writer, exc)
         raise error from error.__cause__
-    upload = getattr(response, "upload_completion", response)
+    # An AsyncSaveResponse with a stager, a bare future without one.
+    upload: concurrent.futures.Future[Any] = getattr(response, "upload_completion", response)  # type: ignore[arg-type]
     if stager is not None:
         stager.release_after(upload)
     handle = AsyncSaveHandle(getattr(response, "staging_completion", None) or _done_future())

@@ -322,9 +322,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     root = _open_root(args.root, _options(args))
-    policy: RetentionPolicy = KeepLast(args.keep)
-    if args.keep_every:
-        policy = policy | KeepEvery(args.keep_every)
+    keep_last = KeepLast(args.keep)
+    policy: RetentionPolicy = keep_last | KeepEvery(args.keep_every) if args.keep_every else keep_last
     committed = len(root.committed())
     doomed = root.apply_retention(policy, dry_run=args.dry_run)
     for tag in doomed:

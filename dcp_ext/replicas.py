@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ._failpoints import crash_point
 from ._ranges import ReadRequest
+from ._torch_format import tensor_bytes
 from .errors import DcpExtError
 from .process_group import GroupView
 from .storage import ObjectWriter, Store
@@ -141,8 +142,7 @@ def _send_all(group: GroupView, pieces: Sequence[_Piece], source: Store, errors:
         buffer = buffers[slot][:length]
         if length and not errors:
             try:
-                view = memoryview(buffer.numpy())
-                source.read([ReadRequest(transfer.name, offset, length, ((0, view),))])
+                source.read([ReadRequest(transfer.name, offset, length, ((0, tensor_bytes(buffer)),))])
             except (DcpExtError, OSError) as err:
                 errors.append(f"reading {source.describe(transfer.name)}: {err}")
         in_flight[slot] = dist.isend(buffer, dst=_global(group, transfer.target), group=group.group, tag=tag)
@@ -177,7 +177,7 @@ def _receive_all(group: GroupView, pieces: Sequence[_Piece], target: Store, erro
                 writer = writers.get(transfer.name)
                 if writer is None:
                     writer = writers[transfer.name] = target.open_writer(transfer.name, size_hint=transfer.size)
-                writer.write(memoryview(buffers[i % 2].numpy())[:length])
+                writer.write(tensor_bytes(buffers[i % 2])[:length])
                 if offset + _PIECE >= transfer.size:
                     writers.pop(transfer.name).commit()
             except (DcpExtError, OSError) as err:

@@ -107,7 +107,7 @@ class _Buffers:
         buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu",
                              pin_memory=self.pin_memory and like.is_cuda)
         if self.share_memory:
-            buffer.share_memory_()
+            buffer.share_memory_()  # type: ignore[no-untyped-call]
         self._by_path[path] = buffer
         self.allocated += buffer.numel() * buffer.element_size()
         return buffer
@@ -141,8 +141,8 @@ def _mirror(
     deep-copied. Records the copies to make in ``copies``."""
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(value, dtensor):
-        local = _mirror(value._local_tensor, path, buffers, copies, seen)
-        return dtensor(local, value._spec, requires_grad=False)
+        local = _mirror(value._local_tensor, path, buffers, copies, seen)  # type: ignore[attr-defined]
+        return dtensor(local, value._spec, requires_grad=False)  # type: ignore[attr-defined]
     if isinstance(value, torch.Tensor):
         if type(value) not in (torch.Tensor, torch.nn.Parameter):
             # ShardedTensor, quantized or other subclasses: a private copy each time.
@@ -201,7 +201,7 @@ def copy_state(state_dict: dict[str, Any], threads: int | None = None) -> dict[s
     given no stager.
     """
     copies: list[_Copy] = []
-    staged = _mirror(state_dict, (), None, copies, set())
+    staged: dict[str, Any] = _mirror(state_dict, (), None, copies, set())
     threads = threads or _default_threads()
     if threads > 1:
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="dcp_ext-stage") as pool:
@@ -323,7 +323,7 @@ class Stager(AsyncStager):
         copies: list[_Copy] = []
         seen: set[tuple[Any, ...]] = set()
         self._buffers.allocated = 0
-        staged = _mirror(state_dict, (), self._buffers, copies, seen)
+        staged: dict[str, Any] = _mirror(state_dict, (), self._buffers, copies, seen)
         self._buffers.keep_only(seen)
         self._copy(copies, self._buffers.allocated, waited)
         return staged

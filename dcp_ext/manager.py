@@ -134,7 +134,8 @@ class CheckpointManager:
             there first and reach ``root`` only when persisted (see
             :mod:`dcp_ext.tiers`). Which ranks share a node:
             :mod:`dcp_ext.nodes` (``DCP_EXT_NODE_RANK`` overrides). Creating
-            the manager is then collective.
+            the manager is then collective; without ``process_group`` it
+            creates a gloo group of its own for its background collectives.
         persist_every: With ``local_tier``: drain every N-th save to ``root``
             in the background (``0``: only saves asked with ``persist=True``).
         keep_local: With ``local_tier``: keep this many newest tags in each
@@ -218,6 +219,12 @@ class CheckpointManager:
     def _set_up_tiers(self, local_tier: str) -> None:
         import torch.distributed as dist
 
+        if self.process_group is None and self.group.distributed:
+            # The local commit, replication and drains run collectives on
+            # background threads while training runs its own: never on the
+            # default group, where the two could interleave differently per rank.
+            self.process_group = dist.new_group(backend="gloo")
+            self.group = GroupView(self.process_group)
         self.local = LocalTier(local_tier, self.config, NodeMap.gather(self.group), self.group)
         # Drains run their collectives while later saves run theirs: a group of their own.
         self._drain_group = None

@@ -193,6 +193,7 @@ class CheckpointManager:
         self.config = config or IOConfig.from_env()
         self.process_group = process_group
         self.group = GroupView(process_group)
+        self._own_async_group: Any = None
         self.mesh = MeshInfo.from_device_mesh(mesh) if mesh is not None else None
         self.retention = retention
         self.checkpoints = CheckpointRoot(self.root, self.config, self.storage_options)
@@ -397,11 +398,25 @@ class CheckpointManager:
             return None
         if self.stager is None:
             self.stager = Stager(share_memory=self.async_uploads == "process")
-        handle = start_async_save(state, writer, planner, self.process_group, stager=self.stager,
+        handle = start_async_save(state, writer, planner, self._async_group(), stager=self.stager,
                                   uploads=self.async_uploads)
         with self._lock:
             self._pending = handle
         return handle
+
+    def _async_group(self) -> Any:
+        """(all ranks; collective the first time) The group asynchronous saves
+        run on: the caller's ``process_group``, else a gloo group of the
+        manager's own, made on the first asynchronous save. DCP's upload
+        thread runs collectives while training runs its own; on the default
+        group the two could interleave differently per rank."""
+        if self.process_group is not None or not self.group.distributed:
+            return self.process_group
+        if self._own_async_group is None:
+            import torch.distributed as dist
+
+            self._own_async_group = dist.new_group(backend="gloo")
+        return self._own_async_group
 
     def _save_tiered(
         self,

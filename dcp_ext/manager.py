@@ -193,7 +193,7 @@ class CheckpointManager:
         self.config = config or IOConfig.from_env()
         self.process_group = process_group
         self.group = GroupView(process_group)
-        self._own_async_group: Any = None
+        self._own_group: Any = None
         self.mesh = MeshInfo.from_device_mesh(mesh) if mesh is not None else None
         self.retention = retention
         self.checkpoints = CheckpointRoot(self.root, self.config, self.storage_options)
@@ -222,9 +222,9 @@ class CheckpointManager:
 
         if self.process_group is None and self.group.distributed:
             # The local commit, replication and drains run collectives on
-            # background threads while training runs its own: never on the
-            # default group, where the two could interleave differently per rank.
-            self.process_group = dist.new_group(backend="gloo")
+            # background threads too: every collective of a tiered manager
+            # goes to its own group.
+            self.process_group = self._background_group()
             self.group = GroupView(self.process_group)
         self.local = LocalTier(local_tier, self.config, NodeMap.gather(self.group), self.group)
         # Drains run their collectives while later saves run theirs: a group of their own.
@@ -398,25 +398,25 @@ class CheckpointManager:
             return None
         if self.stager is None:
             self.stager = Stager(share_memory=self.async_uploads == "process")
-        handle = start_async_save(state, writer, planner, self._async_group(), stager=self.stager,
+        handle = start_async_save(state, writer, planner, self._background_group(), stager=self.stager,
                                   uploads=self.async_uploads)
         with self._lock:
             self._pending = handle
         return handle
 
-    def _async_group(self) -> Any:
-        """(all ranks; collective the first time) The group asynchronous saves
-        run on: the caller's ``process_group``, else a gloo group of the
-        manager's own, made on the first asynchronous save. DCP's upload
-        thread runs collectives while training runs its own; on the default
-        group the two could interleave differently per rank."""
+    def _background_group(self) -> Any:
+        """(all ranks; collective the first time) The group for collectives
+        that run on background threads (DCP's upload, tier steps): the
+        caller's ``process_group``, else a gloo group of the manager's own,
+        made on first use. Training runs its own collectives meanwhile; on
+        the default group the two could interleave differently per rank."""
         if self.process_group is not None or not self.group.distributed:
             return self.process_group
-        if self._own_async_group is None:
+        if self._own_group is None:
             import torch.distributed as dist
 
-            self._own_async_group = dist.new_group(backend="gloo")
-        return self._own_async_group
+            self._own_group = dist.new_group(backend="gloo")
+        return self._own_group
 
     def _save_tiered(
         self,
@@ -435,8 +435,8 @@ class CheckpointManager:
         lacking = self.local.lacking_room(_state_nbytes(model, optimizer) + _SMALL_FILES_ALLOWANCE,
                                           self.local_tier_bytes, self.replicas)
         if lacking is not None:
-            return self._save_past_full_tier(tag, model, optimizer, user_content, policy, async_save, overwrite,
-                                             lacking)
+            direct = self._save_partial(tag, model, optimizer, user_content, policy, async_save, overwrite)
+            return self._report_full_tier(tag, lacking, direct)
         state = _app_state(model, optimizer)
         nodes = self.local.nodes
         planner = LayoutSavePlanner(
@@ -477,27 +477,19 @@ class CheckpointManager:
             self._pending = handle
         return handle
 
-    def _save_past_full_tier(
-        self,
-        tag: str,
-        model: nn.Module | None,
-        optimizer: torch.optim.Optimizer | None,
-        user_content: bytes | None,
-        policy: RetentionPolicy | None,
-        async_save: bool,
-        overwrite: bool,
-        lacking: str,
-    ) -> AsyncSaveHandle | None:
-        """(all ranks) A tiered save that some node's tier has no room for:
-        save it straight to the root, then report the full tier (the same
-        error on every rank: the handle's, or raised by a synchronous save)."""
+    def _report_full_tier(self, tag: str, lacking: str, direct: AsyncSaveHandle | None) -> AsyncSaveHandle:
+        """(all ranks) ``tag`` did not fit some node's tier and was saved
+        straight to the root (``direct``: its handle, ``None`` once done
+        synchronously): raise, or have the returned handle raise, the same
+        :class:`StorageFullError` on every rank; the root save's own outcome
+        is the handle's ``persist_completion``."""
+        assert self.local is not None
         full = StorageFullError(
             f"checkpoint {tag!r} was not saved to the local tiers: {lacking}; it is saved straight to "
             f"{self.root} instead (free space in the local tier, lower keep_local, or raise local_tier_bytes)",
-            self.local.path if self.local is not None else None,
+            self.local.path,
         )
         log.warning("%s", full)
-        direct = self._save_partial(tag, model, optimizer, user_content, policy, async_save, overwrite)
         if direct is None:
             raise full
         handle = AsyncSaveHandle(direct.staging_completion)

@@ -108,6 +108,16 @@ class CheckpointReader(StorageReader):
             :class:`~dcp_ext.storage.tiered.TieredStore` over the copies of
             one checkpoint in several tiers; a damaged file is then read
             again from the next copy).
+        read_once: When several ranks of the load need the same stored
+            bytes (DDP replicas, HSDP's replicate dimension, replicated
+            buffers), read them from storage once and send them to the
+            other ranks over the process group (default on). Off: every
+            rank reads everything it needs itself.
+        process_group: The group ``dcp.load`` runs on (its
+            ``process_group=``; ``None``: the default group). Read-once
+            exchanges data over it.
+        exchange_timeout: Seconds a rank waits for one batch of the
+            read-once exchange before giving up with an error.
 
     Compressed checkpoints need no setting: each item's metadata names its
     codec, and only the frames covering the requested bytes are read and
@@ -132,8 +142,14 @@ class CheckpointReader(StorageReader):
         coalesce_gap: int | str | None = None,
         verify_checksums: bool | None = None,
         store: Store | None = None,
+        read_once: bool = True,
+        process_group: Any = None,
+        exchange_timeout: float = 600.0,
     ) -> None:
         super().__init__()
+        self.read_once = read_once
+        self.process_group = process_group
+        self.exchange_timeout = exchange_timeout
         overrides = {
             "verify_checksums": verify_checksums,
             "max_concurrency": max_concurrency,

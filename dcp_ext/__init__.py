@@ -26,6 +26,7 @@ from .errors import (
     NotACheckpointError,
     PostCommitError,
     ReshardError,
+    ReadOnceExchangeError,
     StorageError,
     StorageFullError,
     StoragePermissionError,
@@ -102,5 +103,6 @@ __all__ = [
     "TransientStorageError",
     "CheckpointKeyError",
     "ReshardError",
+    "ReadOnceExchangeError",
     "unwrap_checkpoint_exception",
 ]

@@ -21,6 +21,13 @@ Tiered saves (:mod:`dcp_ext.tiers`) add:
 * ``mid_replication``: a rank is sending or receiving replica files.
 * ``mid_drain``: a rank has copied its first file to the persistent root.
 * ``before_drain_commit``: every file is in the root; its metadata not yet written.
+
+Failure points raise :class:`InjectedFailure` instead of killing the process
+(``DCP_EXT_FAIL_AT=point``), for tests of how the other ranks react to one
+rank's error:
+
+* ``mid_exchange``: a rank preparing the second batch of a read-once
+  exchange (the first, when there is only one).
 """
 
 from __future__ import annotations
@@ -28,12 +35,18 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["crash_point", "reload", "POINTS", "TIER_POINTS"]
+__all__ = ["crash_point", "fail_point", "InjectedFailure", "reload", "POINTS", "TIER_POINTS", "FAIL_POINTS"]
 
 POINTS = ("before_data", "mid_data", "after_data", "before_metadata", "before_newest", "mid_retention")
 TIER_POINTS = ("mid_local_commit", "mid_replication", "mid_drain", "before_drain_commit")
+FAIL_POINTS = ("mid_exchange",)
 
 _armed: frozenset[str] = frozenset()
+_failing: frozenset[str] = frozenset()
+
+
+class InjectedFailure(RuntimeError):
+    """The error a failure point raises."""
 
 
 def reload() -> None:
@@ -46,12 +59,24 @@ def reload() -> None:
         raise ValueError(f"DCP_EXT_CRASH_AT names unknown crash points {sorted(unknown)}; "
                          f"known: {POINTS + TIER_POINTS}")
     _armed = names
+    global _failing
+    failing = frozenset(p.strip() for p in os.environ.get("DCP_EXT_FAIL_AT", "").split(",") if p.strip())
+    if failing - set(FAIL_POINTS):
+        raise ValueError(f"DCP_EXT_FAIL_AT names unknown failure points {sorted(failing - set(FAIL_POINTS))}; "
+                         f"known: {FAIL_POINTS}")
+    _failing = failing
 
 
 def crash_point(name: str) -> None:
     """Die here (SIGKILL, no cleanup of any kind) if ``name`` is armed."""
     if name in _armed:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail_point(name: str) -> None:
+    """Raise :class:`InjectedFailure` here if ``name`` is armed."""
+    if name in _failing:
+        raise InjectedFailure(f"injected failure at {name} (DCP_EXT_FAIL_AT)")
 
 
 reload()

@@ -33,6 +33,7 @@ __all__ = [
     "TransientStorageError",
     "CheckpointKeyError",
     "ReshardError",
+    "ReadOnceExchangeError",
     "unwrap_checkpoint_exception",
 ]
 
@@ -126,6 +127,11 @@ class StorageFullError(StorageError):
 
 class TransientStorageError(StorageError):
     """A failure that is worth retrying (throttling, 5xx, reset, short read)."""
+
+
+class ReadOnceExchangeError(DcpExtError, RuntimeError):
+    """A read-once load could not exchange data between ranks: a peer died,
+    timed out, or failed with an error that could not be sent."""
 
 
 class CheckpointKeyError(DcpExtError, KeyError):

@@ -15,6 +15,7 @@ and decoded with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import uuid
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -42,6 +44,7 @@ from .metadata import (
     validate_file_name,
 )
 from ._compat import _StorageInfo, narrow_tensor_by_index
+from ._exchange import Exchange, Incoming, as_bytes, bytes_incoming
 from ._gc import gc_paused
 from ._memory import release_free_memory
 from ._ranges import Piece, box_runs, plan_requests, run_starts
@@ -49,6 +52,7 @@ from ._torch_format import tensor_bytes
 from .config import IOConfig, usable_cores
 from .frames import FrameReader, FrameStats, FrameTable, FrameWork, frame_table
 from .layout import NEWEST_FILE, PARTIAL_SUFFIX
+from .read_once import GroupSeen, RankExchange, Receive, Send, plan_read_once
 from .errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
@@ -75,6 +79,9 @@ class _Pending:
     pieces: list[Piece]
     scratch_bytes: int
     finish: Callable[[], None]
+    # The stored bytes of the item as one contiguous tensor (read-once
+    # owners send it); valid once the item is read.
+    payload: Callable[[], torch.Tensor] | None = None
 
 
 class CheckpointReader(StorageReader):
@@ -168,6 +175,8 @@ class CheckpointReader(StorageReader):
         self.last_error: BaseException | None = None
         self._tables: dict[MetadataIndex, FrameTable] = {}
         self._frames = FrameReader()
+        self._dcp_rank: int | None = None
+        self.last_exchange: Exchange | None = None
 
     @property
     def store(self) -> Store:
@@ -294,32 +303,139 @@ class CheckpointReader(StorageReader):
             raise CheckpointCorruptError(f"metadata of {self.path} has no storage map", self.path)
         self.storage_data = metadata.storage_data
         self._chunks = chunk_shapes(metadata)
+        rank = kwargs.get("rank")
+        self._dcp_rank = rank if isinstance(rank, int) else None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """(all ranks) No storage-specific planning."""
-        return plan
+        """(all ranks) With read-once, tell the coordinator this rank's place
+        in the group it would exchange over."""
+        seen = None
+        if self.read_once and dist.is_available() and dist.is_initialized():
+            seen = GroupSeen(dist.get_rank(self.process_group), dist.get_world_size(self.process_group))
+            if self._dcp_rank is not None and self._dcp_rank != seen.rank:
+                seen = None  # not the group dcp.load runs on: no exchange
+        return dataclasses.replace(plan, storage_data=seen)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """(coordinator) No storage-specific planning."""
-        return plans
+        """(coordinator) With read-once, give every read that several ranks
+        share one owner (:func:`dcp_ext.read_once.plan_read_once`)."""
+        exchangeable = len(plans) > 1 and all(
+            plan.storage_data == GroupSeen(rank, len(plans)) for rank, plan in enumerate(plans)
+        )
+        if not exchangeable:
+            return [dataclasses.replace(plan, storage_data=None) for plan in plans]
+        return plan_read_once(plans, self._item_bytes, self._item_order, self.config.read_buffer_bytes,
+                              self._item_grain)
+
+    def _item_bytes(self, item: ReadItem) -> int | None:
+        """Stored bytes of a read item, ``None`` for one each rank must read itself."""
+        info = self.storage_data.get(item.storage_index)
+        if not isinstance(info, StoredItem):
+            return None  # torch-format items, or inconsistent metadata (the read says so)
+        if item.type == LoadItemType.BYTE_IO:
+            return info.raw_size if info.raw_size <= _MAX_BYTES_ITEM else None
+        chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+        if chunk is None:
+            return None
+        return _numel(tuple(int(n) for n in item.lengths)) * chunk[0].itemsize
+
+    def _item_grain(self, item: ReadItem) -> int:
+        """Rows of the item's chunk per frame, when frames hold whole rows
+        and the item spans whole rows (cuts there share no frame); else 1."""
+        info = self.storage_data.get(item.storage_index)
+        chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+        if not isinstance(info, StoredItem) or not info.frame_size or chunk is None:
+            return 1
+        dtype, sizes = chunk
+        if len(sizes) == 0 or tuple(int(n) for n in item.lengths[1:]) != tuple(sizes[1:]):
+            return 1
+        row_bytes = _numel(tuple(sizes[1:])) * dtype.itemsize
+        if not row_bytes or info.frame_size % row_bytes:
+            return 1
+        return info.frame_size // row_bytes
+
+    def _item_order(self, item: ReadItem) -> tuple[object, ...]:
+        info = self.storage_data[item.storage_index]
+        return (info.relative_path, info.offset, tuple(int(o) for o in item.storage_offsets))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """(all ranks) Fetch this rank's slices and hand them to the planner."""
+        """(all ranks) Fetch this rank's slices and hand them to the planner;
+        with read-once, exchange shared items with the other ranks (every
+        rank raises the same error if any rank fails)."""
         with gc_paused():
-            self._read_all(plan, planner)
+            if isinstance(plan.storage_data, RankExchange):
+                self._read_exchanging(plan, planner, plan.storage_data)
+            else:
+                self._read_all(plan, planner)
         release_free_memory()
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def _read_exchanging(self, plan: LoadPlan, planner: LoadPlanner, part: RankExchange) -> None:
+        exchange = self.last_exchange = Exchange(part, self.process_group, self.exchange_timeout, self.path)
+        payloads: dict[int, Callable[[], torch.Tensor]] = {}
+        error: BaseException | None = None
+        try:
+            self._read_all(plan, planner, skip=part.skipped, payloads=payloads,
+                           keep=frozenset(s.item for s in part.sends))
+        except Exception as err:  # noqa: BLE001 - agreed with every rank
+            error = err
+        exchange.agree(error)
+
+        def payload(send: Send) -> torch.Tensor:
+            return payloads[send.item]()
+
+        def incoming(receive: Receive) -> Incoming:
+            return self._incoming(plan.items[receive.item], planner)
+
+        for batch in range(part.batches):
+            exchange.run_batch(batch, payload, incoming)
+        exchange.agree(None)
+
+    def _incoming(self, read_item: ReadItem, planner: LoadPlanner) -> Incoming:
+        """Where a read item received from its owner lands (stored bytes of
+        the item), and how it is committed."""
+        info = self._info(read_item)
+        if read_item.type == LoadItemType.BYTE_IO:
+            return bytes_incoming(info.raw_size, lambda data: planner.load_bytes(read_item, data))
+        dtype, _ = self._chunk(read_item)
+        lengths = tuple(int(n) for n in read_item.lengths)
+        target = self._target(read_item, planner, lengths)
+        if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+            return Incoming(as_bytes(target), lambda: planner.commit_tensor(read_item, target))
+        box = torch.empty(lengths, dtype=dtype)
+
+        def finish() -> None:
+            target.copy_(box)
+            planner.commit_tensor(read_item, target)
+
+        return Incoming(as_bytes(box), finish)
+
+    def _read_all(
+        self,
+        plan: LoadPlan,
+        planner: LoadPlanner,
+        *,
+        skip: frozenset[int] = frozenset(),
+        keep: frozenset[int] = frozenset(),
+        payloads: dict[int, Callable[[], torch.Tensor]] | None = None,
+    ) -> None:
+        """Read the plan's items, except those in ``skip``; record the
+        payload of those in ``keep`` in ``payloads``."""
         budget = self.config.read_buffer_bytes
         batch: list[_Pending] = []
         batch_scratch = 0
         self._frames.work = FrameWork(usable_cores())
         try:
-            for read_item in plan.items:
+            for position, read_item in enumerate(plan.items):
+                if position in skip:
+                    continue
                 pending = self._prepare(read_item, planner)
+                if position in keep and payloads is not None:
+                    if pending.payload is None:
+                        raise AssertionError(f"no payload for read item {read_item}")
+                    payloads[position] = pending.payload
                 if batch and batch_scratch + pending.scratch_bytes > budget:
                     self._run_batch(batch)
                     batch, batch_scratch = [], 0
@@ -384,19 +500,36 @@ class CheckpointReader(StorageReader):
             def finish_bytes() -> None:
                 planner.load_bytes(read_item, io.BytesIO(buffer))
 
-            return self._fetch(read_item, info, [(0, memoryview(buffer))], len(buffer), finish_bytes)
+            pending = self._fetch(read_item, info, [(0, memoryview(buffer))], len(buffer), finish_bytes)
+            pending.payload = lambda: torch.frombuffer(buffer, dtype=torch.uint8)
+            return pending
         return self._prepare_tensor(read_item, info, planner)
 
-    def _prepare_tensor(self, read_item: ReadItem, info: StoredItem, planner: LoadPlanner) -> _Pending:
+    def _chunk(self, read_item: ReadItem) -> tuple[torch.dtype, tuple[int, ...]]:
+        """Dtype and shape of the stored chunk a read item reads from."""
         fqn = read_item.storage_index.fqn
         key = (fqn, tuple(read_item.storage_index.offset or ()))
         try:
-            dtype, chunk_sizes = self._chunks[key]
+            return self._chunks[key]
         except KeyError:
             raise CheckpointCorruptError(
                 f"checkpoint {self.path}: no chunk of {fqn!r} at offset {key[1]} in metadata",
                 self.path,
             ) from None
+
+    def _target(self, read_item: ReadItem, planner: LoadPlanner, lengths: tuple[int, ...]) -> torch.Tensor:
+        """The destination slice of a read item, checked against its lengths."""
+        target = planner.resolve_tensor(read_item).detach()
+        if tuple(target.shape) != lengths:
+            raise ValueError(
+                f"cannot load {read_item.storage_index.fqn!r}: the destination slice has shape "
+                f"{tuple(target.shape)} but the checkpoint slice has shape {lengths}"
+            )
+        return target
+
+    def _prepare_tensor(self, read_item: ReadItem, info: StoredItem, planner: LoadPlanner) -> _Pending:
+        fqn = read_item.storage_index.fqn
+        dtype, chunk_sizes = self._chunk(read_item)
         lengths = tuple(int(n) for n in read_item.lengths)
         offsets = tuple(int(o) for o in read_item.storage_offsets)
         shape = box_runs(chunk_sizes, offsets, lengths)
@@ -408,18 +541,13 @@ class CheckpointReader(StorageReader):
                 f"{_numel(chunk_sizes) * esize}",
                 self.path,
             )
-        target = planner.resolve_tensor(read_item).detach()
-        if tuple(target.shape) != lengths:
-            raise ValueError(
-                f"cannot load {fqn!r}: the destination slice has shape "
-                f"{tuple(target.shape)} but the checkpoint slice has shape {lengths}"
-            )
+        target = self._target(read_item, planner, lengths)
 
         def commit() -> None:
             planner.commit_tensor(read_item, target)
 
         if shape.runs == 0:
-            return _Pending([], 0, commit)
+            return _Pending([], 0, commit, lambda: torch.empty(lengths, dtype=dtype))
         direct = (
             target.device.type == "cpu"
             and target.dtype == dtype
@@ -434,13 +562,16 @@ class CheckpointReader(StorageReader):
                 for i, start in enumerate(run_starts(shape, offsets, lengths))
             ]
             if direct:
-                return self._fetch(read_item, info, runs, 0, commit)
+                pending = self._fetch(read_item, info, runs, 0, commit)
+            else:
 
-            def finish_box() -> None:
-                target.copy_(box)
-                commit()
+                def finish_box() -> None:
+                    target.copy_(box)
+                    commit()
 
-            return self._fetch(read_item, info, runs, view.nbytes, finish_box)
+                pending = self._fetch(read_item, info, runs, view.nbytes, finish_box)
+            pending.payload = lambda: box
+            return pending
         # Many tiny runs: one read of the covering span, then a strided copy.
         span = torch.empty(shape.span, dtype=dtype)
 
@@ -449,7 +580,9 @@ class CheckpointReader(StorageReader):
             commit()
 
         runs = [(shape.first * esize, tensor_bytes(span))]
-        return self._fetch(read_item, info, runs, shape.span * esize, finish_span)
+        pending = self._fetch(read_item, info, runs, shape.span * esize, finish_span)
+        pending.payload = lambda: span.as_strided(lengths, shape.strides).contiguous()
+        return pending
 
     # -- frames -------------------------------------------------------------------
     def _fetch(

@@ -1,0 +1,256 @@
+"""Read-once exchange: owners send what they read to the ranks that need it.
+
+Runs inside :meth:`CheckpointReader.read_data` on every rank of the load, after
+each rank has read its own items and the items it owns
+(:mod:`dcp_ext.read_once`). Every rank calls the same collectives in the same
+order:
+
+1. :meth:`Exchange.agree` after the reads: an all-reduce of one flag; if any
+   rank failed, every rank learns each failure (all-gather) and raises the
+   same error (the lowest failing rank's).
+2. Per batch: each rank prepares its buffers (packing small items, resolving
+   destinations), agrees again (a failure while preparing stops every rank
+   the same way), then posts its point-to-point sends and receives and waits
+   for them, each wait bounded by ``timeout``; received items are committed
+   into the state dict.
+3. A last :meth:`agree` covers failures while committing (each batch's
+   commit failures are agreed at the start of the next batch).
+
+Items of at least ``_DIRECT`` bytes whose destination is contiguous travel
+straight from the owner's destination tensor to the receiver's, with no copy;
+smaller ones are packed into one message per pair of ranks and batch. Memory
+beyond the state dict is bounded by one batch's packed and non-contiguous
+items.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._failpoints import fail_point
+from .errors import DcpExtError, ReadOnceExchangeError
+from .read_once import RankExchange, Receive, Send
+
+__all__ = ["Exchange", "Incoming", "as_bytes"]
+
+# Items at least this large travel as their own message.
+_DIRECT = 1 << 20
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous CPU tensor's memory."""
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+@dataclass
+class Incoming:
+    """Where a received item's bytes go, and what to do once they are there.
+
+    Attributes:
+        buffer: ``uint8`` tensor the bytes land in.
+        finish: Commits the item into the state dict.
+    """
+
+    buffer: torch.Tensor
+    finish: Callable[[], None]
+
+
+class Exchange:
+    """One rank's side of a read-once exchange.
+
+    Args:
+        plan: This rank's part of the plan.
+        group: Process group of the load (``None``: the default group).
+        timeout: Seconds to wait for one batch's messages.
+        where: The checkpoint, for messages.
+    """
+
+    def __init__(self, plan: RankExchange, group: Any, timeout: float, where: str) -> None:
+        self.plan = plan
+        self.group = group
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.where = where
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._later: BaseException | None = None  # failed commit, agreed at the next agree()
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    # -- agreement ------------------------------------------------------------
+    def agree(self, error: BaseException | None) -> None:
+        """(all ranks) Raise the same error on every rank if any rank failed.
+
+        The failing rank raises its own exception object; the others raise
+        an equal one (same type and message) rebuilt from its pickle, or a
+        :class:`ReadOnceExchangeError` naming its type and message when it
+        does not pickle.
+        """
+        if error is None:
+            error, self._later = self._later, None
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not int(flag.item()):
+            return
+        mine: tuple[str, str, bytes | None] | None = None
+        if error is not None:
+            try:
+                blob: bytes | None = pickle.dumps(error)
+            except Exception:  # noqa: BLE001 - described by type and message instead
+                blob = None
+            mine = (type(error).__name__, str(error), blob)
+        every: list[Any] = [None] * self.plan.world_size
+        dist.all_gather_object(every, mine, group=self.group)
+        first = next(rank for rank, entry in enumerate(every) if entry is not None)
+        if first == self.plan.rank and error is not None:
+            raise error
+        name, message, blob = every[first]
+        agreed: BaseException | None = None
+        if blob is not None:
+            try:
+                agreed = pickle.loads(blob)
+            except Exception:  # noqa: BLE001 - fall back to the description
+                agreed = None
+        if not isinstance(agreed, BaseException):
+            agreed = ReadOnceExchangeError(
+                f"rank {first} failed while loading {self.where} with read-once: {name}: {message}",
+                self.where,
+            )
+        raise agreed
+
+    # -- one batch ------------------------------------------------------------
+    def run_batch(
+        self,
+        batch: int,
+        payload: Callable[[Send], torch.Tensor],
+        incoming: Callable[[Receive], Incoming],
+    ) -> None:
+        """(all ranks) Send and receive the items of ``batch``, then commit
+        the received ones.
+
+        Args:
+            batch: Batch number.
+            payload: The stored bytes of an item this rank sends, as a
+                contiguous tensor (kept alive until the batch is done).
+            incoming: Where a received item lands.
+
+        Raises:
+            ReadOnceExchangeError: A message did not arrive within the
+                timeout, or the transport failed (a peer died).
+            Any error of another rank, agreed as in :meth:`agree`.
+        """
+        error: BaseException | None = None
+        outgoing: dict[int, list[torch.Tensor]] = {}
+        receiving: dict[int, list[tuple[torch.Tensor, list[tuple[Receive, Incoming, int]]]]] = {}
+        try:
+            if batch == min(1, self.plan.batches - 1):
+                fail_point("mid_exchange")
+            outgoing = self._outgoing(batch, payload)
+            receiving = self._receiving(batch, incoming)
+        except Exception as err:  # noqa: BLE001 - agreed with every rank below
+            error = err
+        self.agree(error)
+        works: list[tuple[Any, str]] = []
+        for peer, messages in outgoing.items():
+            for tag, tensor in enumerate(messages):
+                works.append((dist.isend(tensor, dst=self._global(peer), group=self.group, tag=tag),
+                              f"sending to rank {peer}"))
+                self.bytes_sent += tensor.numel()
+        for peer, slots in receiving.items():
+            for tag, (tensor, _) in enumerate(slots):
+                works.append((dist.irecv(tensor, src=self._global(peer), group=self.group, tag=tag),
+                              f"receiving from rank {peer}"))
+                self.bytes_received += tensor.numel()
+        for work, doing in works:
+            try:
+                work.wait(timeout=self.timeout)
+            except Exception as err:
+                raise ReadOnceExchangeError(
+                    f"read-once load of {self.where}: rank {self.plan.rank} failed {doing} in "
+                    f"exchange batch {batch + 1} of {self.plan.batches} (timeout "
+                    f"{self.timeout.total_seconds():.0f} s): {err}. Another rank failed or "
+                    f"died; its own error says why.",
+                    self.where,
+                ) from err
+        try:
+            for _, slots in receiving.items():
+                for tensor, parts in slots:
+                    for _, target, start in parts:
+                        if start >= 0:  # packed: copy out of the message
+                            target.buffer.copy_(tensor[start : start + target.buffer.numel()])
+                        target.finish()
+        except Exception as err:  # noqa: BLE001 - agreed at the next agree()
+            self._later = err
+
+    def _outgoing(self, batch: int, payload: Callable[[Send], torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+        """Messages to each receiver: one packed message of the small items
+        (if any), then each large item on its own; the order
+        :meth:`_receiving` expects."""
+        small: dict[int, list[torch.Tensor]] = {}
+        large: dict[int, list[torch.Tensor]] = {}
+        for send in self.plan.sends:
+            if send.batch != batch:
+                continue
+            data = as_bytes(payload(send))
+            if data.numel() != send.nbytes:
+                raise DcpExtError(
+                    f"read-once load of {self.where}: item {send.item} holds {data.numel()} bytes, "
+                    f"the plan says {send.nbytes}", self.where,
+                )
+            for peer in send.receivers:
+                (large if send.nbytes >= _DIRECT else small).setdefault(peer, []).append(data)
+        messages: dict[int, list[torch.Tensor]] = {}
+        for peer in sorted(set(small) | set(large)):
+            packed = [torch.cat(small[peer])] if peer in small else []
+            messages[peer] = packed + large.get(peer, [])
+        return messages
+
+    def _receiving(
+        self, batch: int, incoming: Callable[[Receive], Incoming]
+    ) -> dict[int, list[tuple[torch.Tensor, list[tuple[Receive, Incoming, int]]]]]:
+        """Receive buffers from each owner, in the senders' order, with what
+        goes where (start ``-1``: the item's own buffer is the message)."""
+        small: dict[int, list[tuple[Receive, Incoming, int]]] = {}
+        large: dict[int, list[tuple[torch.Tensor, list[tuple[Receive, Incoming, int]]]]] = {}
+        packed_size: dict[int, int] = {}
+        for receive in self.plan.receives:
+            if receive.batch != batch:
+                continue
+            target = incoming(receive)
+            if target.buffer.numel() != receive.nbytes:
+                raise DcpExtError(
+                    f"read-once load of {self.where}: item {receive.item} takes "
+                    f"{target.buffer.numel()} bytes, the plan says {receive.nbytes}", self.where,
+                )
+            if receive.nbytes >= _DIRECT:
+                large.setdefault(receive.owner, []).append((target.buffer, [(receive, target, -1)]))
+            else:
+                start = packed_size.get(receive.owner, 0)
+                small.setdefault(receive.owner, []).append((receive, target, start))
+                packed_size[receive.owner] = start + receive.nbytes
+        slots: dict[int, list[tuple[torch.Tensor, list[tuple[Receive, Incoming, int]]]]] = {}
+        for owner in sorted(set(small) | set(large)):
+            packed = []
+            if owner in small:
+                packed = [(torch.empty(packed_size[owner], dtype=torch.uint8), small[owner])]
+            slots[owner] = packed + large.get(owner, [])
+        return slots
+
+
+def bytes_incoming(nbytes: int, load: Callable[[io.BytesIO], None]) -> Incoming:
+    """Where a received non-tensor value lands: a buffer, then ``load``."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+
+    def finish() -> None:
+        load(io.BytesIO(buffer.numpy().tobytes()))
+
+    return Incoming(buffer, finish)

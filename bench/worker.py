@@ -66,33 +66,90 @@ def _timed(fn: Any, *args: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _run_once(
-    ctx: Ctx, system: System, state: dict[str, Any], dest: dict[str, Any], tag: str,
-    load_modes: list[str], check: bool,
+def _cleanup(ctx: Ctx, system: System, loc: str) -> None:
+    """(all ranks) Remove ``system``'s checkpoint, then let the deletes (and
+    ext4's online discard) settle before the next timed operation, so they are
+    not billed to whoever comes next."""
+    dist.barrier()
+    if ctx.rank == 0:
+        system.cleanup(ctx, loc)
+        os.sync()
+    dist.barrier()
+
+
+def _save_and_warm(
+    ctx: Ctx, system: System, state: dict[str, Any], dest: dict[str, Any], loc: str, warm: bool, check: bool,
 ) -> dict[str, float]:
-    """One save, then one load per mode (``warm``: straight after the save;
-    ``cold``: after dropping the page cache); seconds on the coordinator."""
-    loc = system.location(ctx, tag)
+    """One save, then (``warm``) one load straight after it; seconds on the coordinator."""
     if ctx.rank == 0:
         system.cleanup(ctx, loc)  # leftovers of an interrupted run
     dist.barrier()
     times = {"save": _timed(system.save, ctx, state, loc)}
-    for mode in load_modes:
+    if warm:
         system.reset_dest(ctx, dest)
-        if mode == "cold":
-            if ctx.rank == 0:
-                drop_page_cache()
-            dist.barrier()
-        times[f"load_{mode}"] = _timed(system.load, ctx, dest, loc)
+        times["load_warm"] = _timed(system.load, ctx, dest, loc)
         if check:
             system.verify(ctx, state, dest)
     dist.barrier()
-    if ctx.rank == 0:
-        system.cleanup(ctx, loc)
-        # Let the deletes (and ext4's online discard) settle before the next
-        # timed operation, so they are not billed to whoever comes next.
-        os.sync()
+    return times
+
+
+def _cold_load(ctx: Ctx, system: System, dest: dict[str, Any], state: dict[str, Any], loc: str, check: bool) -> float:
+    """``sync``, drop the page cache, then one timed load (seconds on the coordinator)."""
+    system.reset_dest(ctx, dest)
     dist.barrier()
+    if ctx.rank == 0:
+        drop_page_cache()
+    dist.barrier()
+    seconds = _timed(system.load, ctx, dest, loc)
+    if check:
+        system.verify(ctx, state, dest)
+    return seconds
+
+
+def _round(
+    ctx: Ctx, order: list[System], state: dict[str, Any], dest: dict[str, Any], tag: str,
+    load_modes: list[str], check: bool, log: Any = None,
+) -> dict[str, dict[str, float]]:
+    """One round: every system of ``order`` once; ``{system: {op: seconds}}``.
+
+    Saves (each followed by its warm load) run first, in ``order``. Cold loads
+    come after all saves, in the same order, each after its own ``sync`` and
+    drop of the page cache, and each starts when its files are as old as the
+    first system's files were when the save phase ended: every system then
+    reads files that are equally old (the host under the virtual disk caches
+    recently written data, see bench/README.md). The age each cold load
+    actually saw is returned as ``cold_age``.
+    """
+    cold = "cold" in load_modes
+    locs = {s.name: s.location(ctx, tag) for s in order}
+    times: dict[str, dict[str, float]] = {}
+    saved_at: dict[str, float] = {}
+    for system in order:
+        times[system.name] = _save_and_warm(ctx, system, state, dest, locs[system.name], "warm" in load_modes, check)
+        saved_at[system.name] = time.monotonic()
+        if not cold:
+            _cleanup(ctx, system, locs[system.name])
+            if log is not None:
+                log(system, times[system.name])
+    if cold:
+        if ctx.rank == 0:
+            os.sync()
+        dist.barrier()
+        # Rank 0's clock decides; the other ranks follow through the barriers.
+        age = time.monotonic() - saved_at[order[0].name]
+        for system in order:
+            if ctx.rank == 0:
+                wait = saved_at[system.name] + age - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+            seen = time.monotonic() - saved_at[system.name]
+            times[system.name]["load_cold"] = _cold_load(ctx, system, dest, state, locs[system.name], check)
+            times[system.name]["cold_age"] = seen
+        for system in order:
+            _cleanup(ctx, system, locs[system.name])
+            if log is not None:
+                log(system, times[system.name])
     return times
 
 
@@ -128,18 +185,20 @@ def throughput(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             ctx, raw_src=_raw_buffer(small_n, 3), raw_dst=torch.zeros(small_n, dtype=torch.uint8)
         )
         for kind in kinds:
-            for system in systems[kind]:
-                _run_once(wctx, system, small, small_dest, f"w{world}-warmup", ["warm"], True)
+            _round(wctx, systems[kind], small, small_dest, f"w{world}-warmup", ["warm"], True)
         ctx._boto3 = wctx._boto3
         del small, small_dest, wctx
         gc.collect()
         _log(rank, f"  [{world} rank(s)] warm-up pass done ({time.perf_counter() - t0:.1f}s)")
 
     samples: dict[str, dict[str, dict[str, list[float]]]] = {}
+    cold_ages: dict[str, dict[str, list[float]]] = {}
     total = spec.nbytes
     for kind in kinds:
         modes = list(cfg["load_modes"][kind])
         samples[kind] = {s.name: {op: [] for op in ["save", *(f"load_{m}" for m in modes)]} for s in systems[kind]}
+        ages: dict[str, list[float]] = {s.name: [] for s in systems[kind]}
+        cold_ages[kind] = ages
         repeats = int(cfg["repeats"][kind])
         for rep in range(repeats):
             # Every round runs every system once (interleaved). Round 0 keeps the
@@ -150,14 +209,23 @@ def throughput(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             order = list(systems[kind])
             if rep:
                 random.Random(1000 + rep).shuffle(order)
-            for system in order:
-                times = _run_once(ctx, system, state, dest, f"w{world}-r{rep}", modes, bool(cfg["verify"]))
-                for op, secs in times.items():
-                    samples[kind][system.name][op].append(secs)
+
+            def log(system: System, times: dict[str, float], rep: int = rep, kind: str = kind,
+                    repeats: int = repeats) -> None:
                 _log(rank, f"  [{world} rank(s) {kind} {rep + 1}/{repeats}] {system.name:<17}" + "".join(
-                    f"  {op} {secs:6.2f}s {total / secs / 1e9:6.3f} GB/s" for op, secs in times.items()))
+                    f"  {op} {secs:6.2f}s {total / secs / 1e9:6.3f} GB/s" for op, secs in times.items()
+                    if op != "cold_age") + (f"  (files {times['cold_age']:.1f}s old)" if "cold_age" in times else ""))
+
+            rounds = _round(ctx, order, state, dest, f"w{world}-r{rep}", modes, bool(cfg["verify"]), log)
+            for name, times in rounds.items():
+                for op, secs in times.items():
+                    if op == "cold_age":
+                        ages[name].append(secs)
+                    else:
+                        samples[kind][name][op].append(secs)
     return {
         "samples": samples,
+        "cold_age_seconds": {k: v for k, v in cold_ages.items() if any(v.values())},
         "total_bytes": total,
         "rank_bytes": nbytes,
         "tensors": spec.count,

@@ -80,6 +80,8 @@ def run_load(
     """
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+    if reader.process_group is None:
+        reader.process_group = process_group  # read-once exchanges over the load's group
     try:
         with gc_paused(), torch_notices_quieted():
             dcp_load(state, storage_reader=reader, planner=planner, process_group=process_group)

@@ -649,7 +649,9 @@ class CheckpointManager:
             sources.append(("root", root.partial_store(plan.tag)))
         store = TieredStore(sources)
         self.last_restore_plan = plan
-        reader = CheckpointReader(store.describe(), config=self.config, store=store)
+        # Each node reads the files in its own tier; read-once could make a
+        # rank owner of bytes only another node holds locally, so it is off.
+        reader = CheckpointReader(store.describe(), config=self.config, store=store, read_once=False)
         return self._resume_partial(plan.tag, model, optimizer, strict, allow_dtype_cast, reader)
 
     def _newest_or_raise(self) -> str:
@@ -678,7 +680,7 @@ class CheckpointManager:
 
         if reader is None:
             reader = CheckpointReader(self.checkpoints.partial_url(tag), storage_options=self.storage_options,
-                                      config=self.config)
+                                      config=self.config, process_group=self.group.group)
         state = _app_state(model, optimizer)
 
         def small_files() -> tuple[bytes | None, bytes | None]:

@@ -120,6 +120,53 @@ def _preadv_exact(fd: int, views: list[memoryview], offset: int) -> int:
 
 _READ_AHEAD = 64 << 20
 
+# A request whose pieces have callbacks (frame checksums) is read in steps
+# that end where pieces end, each at least this long, and each piece's
+# callback runs right after its step: the hash then reads bytes still in the
+# CPU cache instead of fetching them back from memory after a 16 MiB read.
+_MIN_STEP = 256 << 10
+
+
+def _steps(request: ReadRequest) -> list[tuple[int, list[Callable[[], None]]]]:
+    """Where to pause while reading ``request`` front to back: ``(end, callbacks
+    to run once bytes [0, end) landed)``, ascending; the last ends the request."""
+    if not request.on_done or len(request.done_at) != len(request.on_done):
+        return [(request.length, list(request.on_done))]
+    steps: list[tuple[int, list[Callable[[], None]]]] = []
+    start = 0
+    pending: list[Callable[[], None]] = []
+    for end, callback in sorted(zip(request.done_at, request.on_done), key=lambda pair: pair[0]):
+        pending.append(callback)
+        if end - start >= _MIN_STEP:
+            steps.append((end, pending))
+            start, pending = end, []
+    if pending or start < request.length:
+        steps.append((request.length, pending))
+    return steps
+
+
+class _ViewCursor:
+    """Hands out consecutive byte ranges of a list of buffers as buffer lists."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self._views = views
+        self._index = 0
+
+    def take(self, nbytes: int) -> list[memoryview]:
+        out: list[memoryview] = []
+        views = self._views
+        while nbytes and self._index < len(views):
+            view = views[self._index]
+            if view.nbytes <= nbytes:
+                out.append(view)
+                nbytes -= view.nbytes
+                self._index += 1
+            else:
+                out.append(view[:nbytes])
+                views[self._index] = view[nbytes:]
+                nbytes = 0
+        return out
+
 # A file is split into parallel streams only in pieces at least this large.
 _MIN_STREAM = 64 << 20
 
@@ -326,6 +373,13 @@ class LocalStore(Store):
             raise translate_os_error(err, where, "opening") from err
         try:
             requests = sorted(requests, key=lambda r: r.offset)
+            # A truncated file is named as such before any frame of it is
+            # checked (frames are checked while the file is read).
+            size = os.fstat(fd).st_size
+            for request in requests:
+                if request.offset + request.length > size:
+                    got = max(0, size - request.offset)
+                    raise self._short_read(name, request.offset, request.length, got)
             advise = hasattr(os, "posix_fadvise")
             if advise:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -338,21 +392,34 @@ class LocalStore(Store):
                     advised = max(advised, request.offset) + _READ_AHEAD
                     os.posix_fadvise(fd, request.offset, advised - request.offset,
                                      os.POSIX_FADV_WILLNEED)
-                views = request_views(request)
-                buffer = None
-                if views is None:  # overlapping targets: read once, then copy
-                    buffer = memoryview(bytearray(request.length))
-                    views = [buffer]
-                got = _preadv_exact(fd, views, request.offset)
-                if got < request.length:
-                    raise self._short_read(name, request.offset, request.length, got)
-                if buffer is not None:
-                    scatter(request, buffer)
-                self._finished(request)
+                self._read_request(fd, name, request)
         except OSError as err:
             raise translate_os_error(err, where, "reading") from err
         finally:
             os.close(fd)
+
+    def _read_request(self, fd: int, name: str, request: ReadRequest) -> None:
+        """Read one request into its targets, running each piece's callback
+        as soon as the piece's bytes landed (see :func:`_steps`)."""
+        views = request_views(request)
+        if views is None:  # overlapping targets: read once, then copy
+            buffer = memoryview(bytearray(request.length))
+            got = _preadv_exact(fd, [buffer], request.offset)
+            if got < request.length:
+                raise self._short_read(name, request.offset, request.length, got)
+            scatter(request, buffer)
+            self._finished(request)
+            return
+        cursor = _ViewCursor(views)
+        pos = 0
+        for end, callbacks in _steps(request):
+            got = _preadv_exact(fd, cursor.take(end - pos), request.offset + pos)
+            if got < end - pos:
+                raise self._short_read(name, request.offset, request.length, pos + got)
+            pos = end
+            for callback in callbacks:
+                callback()
+        self.stats.add_read(name, request.length)
 
     def _run_reads(self, requests: Sequence[ReadRequest]) -> None:
         # Page-cache reads are memory copies and disk reads like long

@@ -23,6 +23,7 @@ ranks send at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -104,7 +105,7 @@ class RankExchange:
     sends: tuple[Send, ...]
     receives: tuple[Receive, ...]
 
-    @property
+    @functools.cached_property
     def skipped(self) -> frozenset[int]:
         """Plan items this rank does not read from storage."""
         return frozenset(r.item for r in self.receives)

@@ -18,8 +18,10 @@ import contextlib
 import dataclasses
 import io
 import os
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -373,15 +375,20 @@ class CheckpointReader(StorageReader):
         return future
 
     def _read_exchanging(self, plan: LoadPlan, planner: LoadPlanner, part: RankExchange) -> None:
+        """Read this rank's own and owned items and exchange the shared ones.
+
+        A reading thread reads the items this rank owns batch by batch (then
+        the ones only it needs) while this thread exchanges each batch as
+        soon as its items are read, so storage reads and network transfers
+        overlap. A read error is agreed at the batch it belongs to.
+        """
         exchange = self.last_exchange = Exchange(part, self.process_group, self.exchange_timeout, self.path)
         payloads: dict[int, Callable[[], torch.Tensor]] = {}
-        error: BaseException | None = None
-        try:
-            self._read_all(plan, planner, skip=part.skipped, payloads=payloads,
-                           keep=frozenset(s.item for s in part.sends))
-        except Exception as err:  # noqa: BLE001 - agreed with every rank
-            error = err
-        exchange.agree(error)
+        owned: list[list[int]] = [[] for _ in range(part.batches)]
+        for send in part.sends:
+            owned[send.batch].append(send.item)
+        kept = frozenset(s.item for s in part.sends)
+        alone = [i for i in range(len(plan.items)) if i not in kept and i not in part.skipped]
 
         def payload(send: Send) -> torch.Tensor:
             return payloads[send.item]()
@@ -389,9 +396,25 @@ class CheckpointReader(StorageReader):
         def incoming(receive: Receive) -> Incoming:
             return self._incoming(plan.items[receive.item], planner)
 
-        for batch in range(part.batches):
-            exchange.run_batch(batch, payload, incoming)
-        exchange.agree(None)
+        with ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-read-once") as pool:
+            reads = [
+                pool.submit(self._read_all, plan, planner, positions=items, keep=kept, payloads=payloads)
+                for items in owned
+            ]
+            rest = pool.submit(self._read_all, plan, planner, positions=alone)
+            try:
+                for batch in range(part.batches):
+                    start = time.perf_counter()
+                    read_error = reads[batch].exception()
+                    exchange.seconds["reading"] += time.perf_counter() - start
+                    exchange.run_batch(batch, payload, incoming, read_error)
+                start = time.perf_counter()
+                read_error = rest.exception()
+                exchange.seconds["reading"] += time.perf_counter() - start
+                exchange.agree(read_error)
+            finally:
+                for future in [*reads, rest]:
+                    future.cancel()
 
     def _incoming(self, read_item: ReadItem, planner: LoadPlanner) -> Incoming:
         """Where a read item received from its owner lands (stored bytes of
@@ -417,20 +440,19 @@ class CheckpointReader(StorageReader):
         plan: LoadPlan,
         planner: LoadPlanner,
         *,
-        skip: frozenset[int] = frozenset(),
+        positions: Sequence[int] | None = None,
         keep: frozenset[int] = frozenset(),
         payloads: dict[int, Callable[[], torch.Tensor]] | None = None,
     ) -> None:
-        """Read the plan's items, except those in ``skip``; record the
-        payload of those in ``keep`` in ``payloads``."""
+        """Read the plan's items (those at ``positions`` only, if given);
+        record the payload of those in ``keep`` in ``payloads``."""
         budget = self.config.read_buffer_bytes
         batch: list[_Pending] = []
         batch_scratch = 0
         self._frames.work = FrameWork(usable_cores())
         try:
-            for position, read_item in enumerate(plan.items):
-                if position in skip:
-                    continue
+            for position in range(len(plan.items)) if positions is None else positions:
+                read_item = plan.items[position]
                 pending = self._prepare(read_item, planner)
                 if position in keep and payloads is not None:
                     if pending.payload is None:

@@ -195,13 +195,19 @@ def render(result: dict[str, Any], chart: str | None = None) -> str:
         f"(same byte count for every system). Loads: {cold}. Run time {result['runtime_seconds'] / 60:.1f} min. "
         f"Load average at start/end: {m.get('loadavg_start')} / {result.get('loadavg_end')}.")
     add("")
-    ages = [a for data in result.get("worlds", {}).values()
-            for by_system in data.get("cold_age_seconds", {}).values() for v in by_system.values() for a in v]
+    ages: list[float] = []
+    spread = 0.0  # largest difference in file age between the systems of one round
+    for data in result.get("worlds", {}).values():
+        for by_system in data.get("cold_age_seconds", {}).values():
+            runs = [v for v in by_system.values() if v]
+            ages += [a for v in runs for a in v]
+            for same_round in zip(*runs):
+                spread = max(spread, max(same_round) - min(same_round))
     if ages:
         add(f"Cold loads: every system's files were written by its own save in the same round, then "
-            f"`sync`, then each load started after its own `sync` + drop of the page cache when its files "
-            f"were equally old: {min(ages):.1f}–{max(ages):.1f} s (median {statistics.median(ages):.1f} s) "
-            f"since the save ended; see Methodology.")
+            f"`sync`; each load started after its own `sync` + drop of the page cache, when its files were "
+            f"{min(ages):.1f}–{max(ages):.1f} s old (median {statistics.median(ages):.1f} s; within a round the "
+            f"systems' file ages differed by at most {spread:.1f} s); see Methodology.")
         add("")
     add(f"Command: `{result['command']}`")
     add("")

@@ -8,8 +8,9 @@ storage serves each of those bytes once per rank that needs it.
 The coordinator (in :meth:`CheckpointReader.prepare_global_plan`) looks at
 every rank's load plan, finds the read items that ask for the same stored
 bytes (same key, chunk, offsets and lengths) on several ranks, and makes one
-of those ranks the item's *owner*: it reads the bytes from storage and sends
-them to the others over the process group (:mod:`dcp_ext._exchange`).
+of those ranks the item's *owner*: it reads the bytes from storage and hands
+them to the others (:mod:`dcp_ext._exchange`): through a shared-memory segment
+to the ranks on its own host, over the process group to the rest.
 
 Pure logic, no I/O, no collectives. Ownership is spread evenly and keeps each
 owner's reads contiguous: the shared items of one set of ranks are taken in
@@ -44,10 +45,14 @@ class GroupSeen:
     Attributes:
         rank: The reader's rank in its exchange group.
         size: The group's size.
+        host: Ranks with the same non-empty ``host`` share a shared-memory
+            file system (``/dev/shm``) and exchange through it; empty: this
+            rank exchanges over the network only.
     """
 
     rank: int
     size: int
+    host: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +64,18 @@ class Send:
         item: Index of the item in this rank's plan.
         receivers: Ranks that receive it, ascending.
         nbytes: Stored bytes it holds.
+        remote: The receivers on other hosts, sent to over the network.
+        segment_offset: Where it goes in this rank's shared-memory segment
+            of the batch, which the receivers on this host read (``-1``: no
+            receiver on this host).
     """
 
     batch: int
     item: int
     receivers: tuple[int, ...]
     nbytes: int
+    remote: tuple[int, ...] = ()
+    segment_offset: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +87,15 @@ class Receive:
         item: Index of the item in this rank's plan.
         owner: Rank that reads and sends it.
         nbytes: Stored bytes it holds.
+        segment_offset: Where it is in the owner's shared-memory segment of
+            the batch (``-1``: it comes over the network).
     """
 
     batch: int
     item: int
     owner: int
     nbytes: int
+    segment_offset: int = -1
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,8 @@ class RankExchange:
         batches: Exchange batches (the same on every rank).
         sends: Items this rank reads and sends, in global order.
         receives: Items this rank receives, in global order.
+        exchange_id: Names this load's shared-memory segments.
+        segment_bytes: Size of this rank's segment in each batch (0: none).
     """
 
     rank: int
@@ -104,6 +120,8 @@ class RankExchange:
     batches: int
     sends: tuple[Send, ...]
     receives: tuple[Receive, ...]
+    exchange_id: str = ""
+    segment_bytes: tuple[int, ...] = ()
 
     @functools.cached_property
     def skipped(self) -> frozenset[int]:
@@ -165,6 +183,8 @@ def plan_read_once(
     item_order: Callable[[ReadItem], tuple[object, ...]],
     batch_bytes: int,
     item_grain: Callable[[ReadItem], int] = lambda item: 1,
+    hosts: Sequence[str] = (),
+    exchange_id: str = "",
 ) -> list[LoadPlan]:
     """(coordinator) Give every shared read one owner; the others receive it.
 
@@ -177,6 +197,10 @@ def plan_read_once(
         item_grain: Rows (of the stored chunk, counted from its first row)
             at multiples of which a tensor item may be cut without two
             owners reading the same frame.
+        hosts: Each rank's :attr:`GroupSeen.host`: an owner hands items to
+            receivers on its host through a shared-memory segment per batch
+            (each item copied in once), and sends them to the others.
+        exchange_id: Unique name of this load (for the segments).
         batch_bytes: Bytes of shared data per exchange batch (all owners
             together).
 
@@ -233,21 +257,31 @@ def plan_read_once(
     items: list[list[ReadItem]] = [list(k) for k in keep]
     sends: list[list[Send]] = [[] for _ in range(world)]
     receives: list[list[Receive]] = [[] for _ in range(world)]
+    segments = [[0] * batches for _ in range(world)]
+    host = list(hosts) if hosts else [""] * world
     for shared in ordered:
-        batch = batch_of[id(shared)]
-        receivers = tuple(r for r in sorted(shared.holders) if r != shared.owner)
+        batch, owner = batch_of[id(shared)], shared.owner
+        receivers = tuple(r for r in sorted(shared.holders) if r != owner)
+        near = {r for r in receivers if host[owner] and host[r] == host[owner]}
+        offset = -1
+        if near:
+            offset = segments[owner][batch]
+            segments[owner][batch] += shared.nbytes
         for rank, item in sorted(shared.holders.items()):
             position = len(items[rank])
             items[rank].append(item)
-            if rank == shared.owner:
-                sends[rank].append(Send(batch, position, receivers, shared.nbytes))
+            if rank == owner:
+                remote = tuple(r for r in receivers if r not in near)
+                sends[rank].append(Send(batch, position, receivers, shared.nbytes, remote, offset))
             else:
-                receives[rank].append(Receive(batch, position, shared.owner, shared.nbytes))
+                via = offset if rank in near else -1
+                receives[rank].append(Receive(batch, position, owner, shared.nbytes, via))
     return [
         dataclasses.replace(
             plan,
             items=items[rank],
-            storage_data=RankExchange(rank, world, batches, tuple(sends[rank]), tuple(receives[rank])),
+            storage_data=RankExchange(rank, world, batches, tuple(sends[rank]), tuple(receives[rank]),
+                                      exchange_id, tuple(segments[rank])),
         )
         for rank, plan in enumerate(plans)
     ]

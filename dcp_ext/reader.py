@@ -46,7 +46,7 @@ from .metadata import (
     validate_file_name,
 )
 from ._compat import _StorageInfo, narrow_tensor_by_index
-from ._exchange import Exchange, Incoming, as_bytes, bytes_incoming
+from ._exchange import Exchange, Incoming, as_bytes, bytes_incoming, shared_memory_host
 from ._gc import gc_paused
 from ._memory import release_free_memory
 from ._ranges import Piece, box_runs, plan_requests, run_starts
@@ -127,6 +127,9 @@ class CheckpointReader(StorageReader):
             exchanges data over it.
         exchange_timeout: Seconds a rank waits for one batch of the
             read-once exchange before giving up with an error.
+        shared_memory: Ranks on the same host exchange read-once data
+            through shared-memory files in ``/dev/shm`` (one copy in, one
+            copy out) instead of over the process group (default on).
 
     Compressed checkpoints need no setting: each item's metadata names its
     codec, and only the frames covering the requested bytes are read and
@@ -154,9 +157,11 @@ class CheckpointReader(StorageReader):
         read_once: bool = True,
         process_group: Any = None,
         exchange_timeout: float = 600.0,
+        shared_memory: bool = True,
     ) -> None:
         super().__init__()
         self.read_once = read_once
+        self.shared_memory = shared_memory
         self.process_group = process_group
         self.exchange_timeout = exchange_timeout
         overrides = {
@@ -313,7 +318,8 @@ class CheckpointReader(StorageReader):
         in the group it would exchange over."""
         seen = None
         if self.read_once and dist.is_available() and dist.is_initialized():
-            seen = GroupSeen(dist.get_rank(self.process_group), dist.get_world_size(self.process_group))
+            seen = GroupSeen(dist.get_rank(self.process_group), dist.get_world_size(self.process_group),
+                             shared_memory_host() if self.shared_memory else "")
             if self._dcp_rank is not None and self._dcp_rank != seen.rank:
                 seen = None  # not the group dcp.load runs on: no exchange
         return dataclasses.replace(plan, storage_data=seen)
@@ -321,13 +327,15 @@ class CheckpointReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """(coordinator) With read-once, give every read that several ranks
         share one owner (:func:`dcp_ext.read_once.plan_read_once`)."""
+        seen = [plan.storage_data for plan in plans]
         exchangeable = len(plans) > 1 and all(
-            plan.storage_data == GroupSeen(rank, len(plans)) for rank, plan in enumerate(plans)
+            isinstance(s, GroupSeen) and (s.rank, s.size) == (rank, len(plans)) for rank, s in enumerate(seen)
         )
         if not exchangeable:
             return [dataclasses.replace(plan, storage_data=None) for plan in plans]
+        hosts = [s.host for s in seen if isinstance(s, GroupSeen)]
         return plan_read_once(plans, self._item_bytes, self._item_order, self.config.read_buffer_bytes,
-                              self._item_grain)
+                              self._item_grain, hosts, uuid.uuid4().hex[:16])
 
     def _item_bytes(self, item: ReadItem) -> int | None:
         """Stored bytes of a read item, ``None`` for one each rank must read itself."""
@@ -415,6 +423,7 @@ class CheckpointReader(StorageReader):
             finally:
                 for future in [*reads, rest]:
                     future.cancel()
+                exchange.close()
 
     def _incoming(self, read_item: ReadItem, planner: LoadPlanner) -> Incoming:
         """Where a read item received from its owner lands (stored bytes of

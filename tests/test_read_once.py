@@ -41,6 +41,16 @@ def test_replicated_loads_read_every_byte_once(tmp_path: Path) -> None:
     assert all(not r["diff"] for r in naive)
     assert sum(r["bytes_read"] for r in naive) >= 4 * ddp_stored * 0.99
     assert all(r["received"] == 0 for r in naive)
+    # Same host: everything through shared memory; network only: nothing
+    # through it; two simulated nodes: both, each item to the other node once
+    # per receiver there.
+    assert all(r["ddp/True"]["remote"] == 0 and r["ddp/True"]["nearby"] > 0 for r in four)
+    network = [r["ddp/network"] for r in four]
+    check(network, ddp_stored, "DDP 4 network only")
+    assert all(r["nearby"] == 0 and r["remote"] > 0 for r in network)
+    mixed = [r["ddp/two_nodes"] for r in four]
+    check(mixed, ddp_stored, "DDP 4 as two nodes")
+    assert all(r["nearby"] > 0 and r["remote"] > 0 for r in mixed)
     small = [r["ddp/small_batches"] for r in four]
     check(small, ddp_stored, "DDP 4 read-once, 1 MiB batches")
     assert small[0]["batches"] >= 8
@@ -59,6 +69,7 @@ def test_replicated_loads_read_every_byte_once(tmp_path: Path) -> None:
         assert {(r["type"], r["message"]) for r in rows} == {(expected_type, rows[0]["message"])}, rows
         assert all(r["seconds"] < 30 for r in rows), rows
     assert "ddp_damaged" in four[0]["damaged"]["message"]
+    assert four[0]["shm_left"] == []  # no segment left behind, failures included
     after = [r["after_failures"] for r in four]
     check(after, ddp_stored, "DDP 4 after the failures")
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dcp_ext
 from dcp_ext import CheckpointReader, CheckpointWriter, IOConfig, LayoutLoadPlanner, _failpoints
+from dcp_ext.nodes import NODE_RANK_ENV
 from tests.support.compare import state_diff
 from tests.support.dist_workers import data_bytes
 
@@ -47,8 +48,12 @@ def zeros_like(state: Any) -> Any:
     return None
 
 
+_READERS: list[CheckpointReader] = []  # every reader of this process, for its exchange ids
+
+
 def _load(state: dict[str, Any], path: str, **reader_args: Any) -> tuple[CheckpointReader, float]:
     reader = CheckpointReader(path, **reader_args)
+    _READERS.append(reader)
     start = time.perf_counter()
     dcp.load(state, storage_reader=reader, planner=LayoutLoadPlanner())
     return reader, time.perf_counter() - start
@@ -56,7 +61,10 @@ def _load(state: dict[str, Any], path: str, **reader_args: Any) -> tuple[Checkpo
 
 def _outcome(reader: CheckpointReader, expected: Any, loaded: Any) -> dict[str, Any]:
     exchange = reader.last_exchange
+    plan = exchange.plan if exchange else None
     return {
+        "remote": sum(len(s.remote) * s.nbytes for s in plan.sends) if plan else 0,
+        "nearby": sum(s.nbytes for s in plan.sends if s.segment_offset >= 0) if plan else 0,
         "bytes_read": reader.store.stats.snapshot().bytes_read,
         "sent": exchange.bytes_sent if exchange else 0,
         "received": exchange.bytes_received if exchange else 0,
@@ -114,6 +122,16 @@ def four_rank_suite(rank: int, world_size: int, root: str) -> dict[str, Any]:
     loaded = zeros_like(expected)
     reader, _ = _load(loaded, ddp_path, config=IOConfig(read_buffer_bytes=1 << 20))
     out["ddp/small_batches"] = _outcome(reader, expected, loaded)
+    # Over the network only, and as two simulated nodes of two ranks each
+    # (shared memory within a node, the network between them).
+    loaded = zeros_like(expected)
+    reader, _ = _load(loaded, ddp_path, shared_memory=False, config=IOConfig(read_buffer_bytes=8 << 20))
+    out["ddp/network"] = _outcome(reader, expected, loaded)
+    os.environ[NODE_RANK_ENV] = str(rank // 2)
+    loaded = zeros_like(expected)
+    reader, _ = _load(loaded, ddp_path, config=IOConfig(read_buffer_bytes=8 << 20))
+    out["ddp/two_nodes"] = _outcome(reader, expected, loaded)
+    os.environ.pop(NODE_RANK_ENV)
 
     # HSDP 2x2: replicate x shard; each half is needed by two ranks.
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -169,6 +187,10 @@ def four_rank_suite(rank: int, world_size: int, root: str) -> dict[str, Any]:
     os.environ.pop("DCP_EXT_FAIL_AT", None)
     _failpoints.reload()
 
+    # This world's shared-memory segments (other jobs on the machine may have theirs).
+    ids = {r.last_exchange.plan.exchange_id for r in _READERS if r.last_exchange is not None}
+    assert len(ids) >= 8
+    out["shm_left"] = sorted(p.name for p in Path("/dev/shm").glob("dcp_ext-*") if p.name.split("-")[1] in ids)
     # The group still works: a normal load after the failures.
     loaded = zeros_like(expected)
     reader, _ = _load(loaded, ddp_path)

@@ -109,17 +109,20 @@ def _cold_load(ctx: Ctx, system: System, dest: dict[str, Any], state: dict[str, 
 
 def _round(
     ctx: Ctx, order: list[System], state: dict[str, Any], dest: dict[str, Any], tag: str,
-    load_modes: list[str], check: bool, log: Any = None,
+    load_modes: list[str], check: bool, log: Any = None, cold_estimates: dict[str, float] | None = None,
 ) -> dict[str, dict[str, float]]:
     """One round: every system of ``order`` once; ``{system: {op: seconds}}``.
 
     Saves (each followed by its warm load) run first, in ``order``. Cold loads
     come after all saves, in the same order, each after its own ``sync`` and
-    drop of the page cache, and each starts when its files are as old as the
-    first system's files were when the save phase ended: every system then
-    reads files that are equally old (the host under the virtual disk caches
-    recently written data, see bench/README.md). The age each cold load
-    actually saw is returned as ``cold_age``.
+    drop of the page cache, and each starts when its files are ``age``
+    seconds old, the same for every system: every system then reads files
+    that are equally old (the host under the virtual disk caches recently
+    written data, see bench/README.md). ``age`` is the smallest that lets each
+    load start on time if the loads before it take as long as estimated
+    (``cold_estimates``: seconds per system from the previous round, updated
+    here; 3x the warm load without one). The age each cold load actually saw
+    is returned as ``cold_age``.
     """
     cold = "cold" in load_modes
     locs = {s.name: s.location(ctx, tag) for s in order}
@@ -137,7 +140,14 @@ def _round(
             os.sync()
         dist.barrier()
         # Rank 0's clock decides; the other ranks follow through the barriers.
-        age = time.monotonic() - saved_at[order[0].name]
+        estimates = cold_estimates if cold_estimates is not None else {}
+        start = time.monotonic()
+        ahead = 0.0  # estimated seconds of the cold loads before this one
+        age = 0.0
+        for system in order:
+            age = max(age, start + ahead - saved_at[system.name])
+            warm = times[system.name].get("load_warm", times[system.name]["save"])
+            ahead += 1.2 * estimates.get(system.name, 3 * warm)
         for system in order:
             if ctx.rank == 0:
                 wait = saved_at[system.name] + age - time.monotonic()
@@ -146,6 +156,7 @@ def _round(
             seen = time.monotonic() - saved_at[system.name]
             times[system.name]["load_cold"] = _cold_load(ctx, system, dest, state, locs[system.name], check)
             times[system.name]["cold_age"] = seen
+            estimates[system.name] = times[system.name]["load_cold"]
         for system in order:
             _cleanup(ctx, system, locs[system.name])
             if log is not None:
@@ -199,6 +210,7 @@ def throughput(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         samples[kind] = {s.name: {op: [] for op in ["save", *(f"load_{m}" for m in modes)]} for s in systems[kind]}
         ages: dict[str, list[float]] = {s.name: [] for s in systems[kind]}
         cold_ages[kind] = ages
+        estimates: dict[str, float] = {}  # cold load seconds per system, from the previous round
         repeats = int(cfg["repeats"][kind])
         for rep in range(repeats):
             # Every round runs every system once (interleaved). Round 0 keeps the
@@ -216,7 +228,7 @@ def throughput(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     f"  {op} {secs:6.2f}s {total / secs / 1e9:6.3f} GB/s" for op, secs in times.items()
                     if op != "cold_age") + (f"  (files {times['cold_age']:.1f}s old)" if "cold_age" in times else ""))
 
-            rounds = _round(ctx, order, state, dest, f"w{world}-r{rep}", modes, bool(cfg["verify"]), log)
+            rounds = _round(ctx, order, state, dest, f"w{world}-r{rep}", modes, bool(cfg["verify"]), log, estimates)
             for name, times in rounds.items():
                 for op, secs in times.items():
                     if op == "cold_age":

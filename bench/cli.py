@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chart", action="store_true",
                    help="do not draw the PNG chart (written next to the results JSON, same name, .png; needs matplotlib)")
     p.add_argument("--world-timeout", type=float, default=3600.0, help="seconds before a world is killed")
+    p.add_argument("--replicated", dest="replicated", action="store_true", default=None,
+                   help="then run bench.replicated (4-rank DDP and HSDP 2x2 loads, read-once) with the same size, "
+                        "storage kinds and rounds (default: only for full default runs)")
+    p.add_argument("--no-replicated", dest="replicated", action="store_false")
     return p
 
 
@@ -228,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         and args.repeats >= 3 and args.local_repeats in (None, args.repeats)
     if args.readme is None:
         args.readme = full_default
+    if args.replicated is None:
+        args.replicated = full_default
 
     load_modes = {"local": args.local_loads, "s3": args.s3_loads}
     wants_cold = any("cold" in load_modes[k] for k in kinds)
@@ -320,4 +326,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         report.update_readme(BENCH / "README.md", markdown)
         print(f"table rendered into {BENCH / 'README.md'}")
+    if args.replicated:
+        _run_replicated(args, size, kinds, out, command)
     return 0
+
+
+def _run_replicated(args: argparse.Namespace, size: int, kinds: list[str], main_out: Path, command: str) -> None:
+    """The replicated-load part of the main bench (``bench.replicated``), after
+    the throughput results are written; its JSON goes next to them."""
+    from . import replicated
+
+    print("replicated loads (bench.replicated), 4 ranks", flush=True)
+    record = replicated.run(size=size, kinds=tuple(kinds), repeats=args.repeats, verify_loads=not args.no_verify,
+                            warmup=not args.no_warmup, s3_concurrency=args.s3_concurrency,
+                            command=f"{command.strip()} (replicated part)")
+    out = main_out.with_name(f"replicated-{main_out.name}")
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    markdown = replicated.render(record)
+    print("\n" + markdown + "\n")
+    print(f"replicated results written to {out}")
+    if args.readme:
+        report.update_readme(BENCH / "README.md", markdown, "replicated")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import mmap
 import os
 import pickle
 import socket
@@ -101,7 +102,10 @@ class Exchange:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._later: BaseException | None = None  # failed commit, agreed at the next agree()
-        self._segments: list[str] = []  # this rank's segments not yet removed
+        self._created: list[str] = []  # this rank's segment files
+        self._own: dict[int, torch.Tensor] = {}  # parity -> this rank's mapped segment
+        self._peers: dict[tuple[int, int], torch.Tensor] = {}  # (owner, parity) -> mapped segment
+        self._mappings: list[mmap.mmap] = []
         #: Seconds this rank spent per phase: ``reading`` (waiting for its
         #: own reads), ``agreeing``, ``preparing``, ``transfer``, ``committing``.
         self.seconds: defaultdict[str, float] = defaultdict(float)
@@ -125,8 +129,6 @@ class Exchange:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         self.seconds["agreeing"] += time.perf_counter() - start
         failed = int(flag.item()) != 0
-        # Every rank is past its previous batch: no one reads older segments.
-        self.remove_segments(keep_last=not failed)
         if not failed:
             return
         mine: tuple[str, str, bytes | None] | None = None
@@ -155,19 +157,19 @@ class Exchange:
             )
         raise agreed
 
-    def remove_segments(self, keep_last: bool = False) -> None:
-        """Delete this rank's shared-memory segments (but the newest one,
-        which this batch's receivers are about to read, if ``keep_last``)."""
-        keep = self._segments[-1:] if keep_last else []
-        for path in self._segments:
-            if path not in keep:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-        self._segments = keep
-
     def close(self) -> None:
-        """(after the last :meth:`agree`, or on failure) Remove every segment left."""
-        self.remove_segments()
+        """(every rank, after the last :meth:`agree` or an agreed failure,
+        when no rank reads a segment any more) Unmap and delete the segments."""
+        self._own.clear()
+        self._peers.clear()
+        for mapping in self._mappings:
+            with contextlib.suppress(BufferError, ValueError):  # a view still alive: unmapped when freed
+                mapping.close()
+        self._mappings = []
+        for path in self._created:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._created = []
 
     # -- one batch ------------------------------------------------------------
     def run_batch(
@@ -277,64 +279,90 @@ class Exchange:
             )
         return data
 
-    def _segment_path(self, owner: int, batch: int) -> str:
-        return os.path.join(SHM_DIR, f"dcp_ext-{self.plan.exchange_id}-r{owner}-b{batch}")
+    def _segment_path(self, owner: int, parity: int) -> str:
+        return os.path.join(SHM_DIR, f"dcp_ext-{self.plan.exchange_id}-r{owner}-p{parity}")
+
+    def _own_segment(self, batch: int) -> torch.Tensor | None:
+        """This rank's segment for ``batch``: one of two files, used by
+        alternate batches and mapped once per load. Batch ``b`` overwrites
+        what batch ``b - 2`` wrote, which every reader finished before the
+        agreement of batch ``b - 1`` that this rank has passed."""
+        sizes = self.plan.segment_bytes
+        if not sizes or not sizes[batch]:
+            return None
+        parity = batch % 2
+        if parity not in self._own:
+            size = max(sizes[parity::2])
+            path = self._segment_path(self.plan.rank, parity)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+            except OSError as err:
+                raise DcpExtError(
+                    f"read-once load of {self.where}: cannot create shared-memory segment {path} ({err}); "
+                    f"pass CheckpointReader(..., shared_memory=False) to exchange over the network only",
+                    self.where,
+                ) from err
+            self._created.append(path)
+            try:
+                # Allocate the pages now: a RAM file system that is too small
+                # fails here with ENOSPC instead of SIGBUS on a later write.
+                os.posix_fallocate(fd, 0, size)
+                self._own[parity] = self._map(fd, size)
+            except OSError as err:
+                raise DcpExtError(
+                    f"read-once load of {self.where}: cannot allocate shared-memory segment {path} of "
+                    f"{size} bytes ({err}); free space in {SHM_DIR} or pass shared_memory=False",
+                    self.where,
+                ) from err
+            finally:
+                os.close(fd)
+        return self._own[parity]
+
+    def _map(self, fd: int, size: int) -> torch.Tensor:
+        """Map a segment (pages populated now, not one fault per 4 KiB later)."""
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._mappings.append(mapping)
+        return torch.frombuffer(mapping, dtype=torch.uint8)
 
     def _write_segment(self, batch: int, payload: Callable[[Send], torch.Tensor]) -> None:
         """Copy the batch's items that receivers on this host need into this
         rank's segment (each item once, however many of them need it)."""
-        size = self.plan.segment_bytes[batch] if self.plan.segment_bytes else 0
-        if not size:
+        segment = self._own_segment(batch)
+        if segment is None:
             return
-        path = self._segment_path(self.plan.rank, batch)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-        except OSError as err:
-            raise DcpExtError(
-                f"read-once load of {self.where}: cannot create shared-memory segment {path} ({err}); "
-                f"pass CheckpointReader(..., shared_memory=False) to exchange over the network only",
-                self.where,
-            ) from err
-        self._segments.append(path)
-        try:
-            # pwrite, not a mapping: the kernel copies in large steps with the
-            # GIL released (writing through mmap measured ~0.2 GB/s here, one
-            # page fault per 4 KiB).
-            for send in self.plan.sends:
-                if send.batch == batch and send.segment_offset >= 0:
-                    _write_all(fd, tensor_bytes(self._payload(send, payload)), send.segment_offset)
-                    self.bytes_sent += send.nbytes * (len(send.receivers) - len(send.remote))
-        except OSError as err:  # ENOSPC: the RAM file system is too small
-            raise DcpExtError(
-                f"read-once load of {self.where}: cannot fill shared-memory segment {path} of "
-                f"{size} bytes ({err}); free space in {SHM_DIR} or pass shared_memory=False",
-                self.where,
-            ) from err
-        finally:
-            os.close(fd)
+        for send in self.plan.sends:
+            if send.batch == batch and send.segment_offset >= 0:
+                at = send.segment_offset
+                _copy(segment[at : at + send.nbytes], self._payload(send, payload))
+                self.bytes_sent += send.nbytes * (len(send.receivers) - len(send.remote))
+
+    def _peer_segment(self, owner: int, batch: int) -> torch.Tensor:
+        key = (owner, batch % 2)
+        if key not in self._peers:
+            path = self._segment_path(*key)
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))  # mapped shared; only read
+            try:
+                self._peers[key] = self._map(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+        return self._peers[key]
 
     def _read_segments(self, batch: int, nearby: list[tuple[Receive, Incoming]]) -> None:
         """Copy items received from owners on this host out of their
         segments and commit them."""
-        by_owner: dict[int, list[tuple[Receive, Incoming]]] = {}
         for receive, target in nearby:
-            by_owner.setdefault(receive.owner, []).append((receive, target))
-        for owner, entries in by_owner.items():
-            path = self._segment_path(owner, batch)
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            try:
-                for receive, target in entries:
-                    dest = tensor_bytes(target.buffer)
-                    if _read_all(fd, dest, receive.segment_offset) != receive.nbytes:
-                        raise DcpExtError(
-                            f"read-once load of {self.where}: shared-memory segment {path} ends "
-                            f"before byte {receive.segment_offset + receive.nbytes}", self.where,
-                        )
-                    self.bytes_received += receive.nbytes
-            finally:
-                os.close(fd)
-            for _, target in entries:
-                target.finish()
+            segment = self._peer_segment(receive.owner, batch)
+            at = receive.segment_offset
+            if at + receive.nbytes > segment.numel():
+                raise DcpExtError(
+                    f"read-once load of {self.where}: shared-memory segment of rank {receive.owner} "
+                    f"ends before byte {at + receive.nbytes}", self.where,
+                )
+            _copy(target.buffer, segment[at : at + receive.nbytes])
+            self.bytes_received += receive.nbytes
+        for _, target in nearby:
+            target.finish()
 
     def _receiving(
         self, batch: int, incoming: Callable[[Receive], Incoming]
@@ -375,20 +403,16 @@ class Exchange:
         return slots, nearby
 
 
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
-    while data.nbytes:
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy bytes between flat ``uint8`` tensors with one plain memory copy.
 
-
-def _read_all(fd: int, dest: memoryview, offset: int) -> int:
-    done = 0
-    while done < dest.nbytes:
-        got = os.preadv(fd, [dest[done:]], offset + done)
-        if not got:
-            break
-        done += got
-    return done
+    Measured here (4 ranks on 2 cores, 1 GiB DDP load): a segment exchange
+    took 0.34-0.67 s per rank with these copies against 0.78-1.43 s with
+    ``Tensor.copy_``, whose worker threads compete with the other ranks;
+    ``pwrite`` into a fresh RAM file runs at 1.6 GB/s and ``pread`` out of it
+    at 4.5 GB/s against 11-12 GB/s for a copy between mapped pages.
+    """
+    tensor_bytes(dest)[:] = tensor_bytes(src)
 
 
 def _pack(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -46,7 +46,7 @@ from ._torch_format import tensor_bytes
 from .errors import DcpExtError, ReadOnceExchangeError
 from .read_once import RankExchange, Receive, Send
 
-__all__ = ["Exchange", "Incoming", "as_bytes", "shared_memory_host", "SHM_DIR"]
+__all__ = ["Exchange", "Incoming", "as_bytes", "host_identity", "shared_memory_usable", "SHM_DIR"]
 
 #: Where same-host segments live (a RAM file system on Linux).
 SHM_DIR = "/dev/shm"
@@ -55,14 +55,17 @@ SHM_DIR = "/dev/shm"
 _DIRECT = 1 << 20
 
 
-def shared_memory_host() -> str:
-    """This rank's key for same-host exchange through :data:`SHM_DIR`
-    (host name and node identity), or ``""`` when it has no usable one."""
+def host_identity() -> str:
+    """This rank's host: host name and node identity (ranks with equal ones
+    share memory and a page cache)."""
     from .nodes import local_node_identity
 
-    if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)):
-        return ""
     return f"{socket.gethostname()}|{local_node_identity()}"
+
+
+def shared_memory_usable() -> bool:
+    """Whether :data:`SHM_DIR` exists and this process may create files there."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

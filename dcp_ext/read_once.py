@@ -45,14 +45,15 @@ class GroupSeen:
     Attributes:
         rank: The reader's rank in its exchange group.
         size: The group's size.
-        host: Ranks with the same non-empty ``host`` share a shared-memory
-            file system (``/dev/shm``) and exchange through it; empty: this
-            rank exchanges over the network only.
+        host: The rank's host (:func:`dcp_ext._exchange.host_identity`).
+        shared_memory: Whether it may exchange with ranks on its host
+            through ``/dev/shm`` (else over the network only).
     """
 
     rank: int
     size: int
     host: str = ""
+    shared_memory: bool = False
 
 
 @dataclass(frozen=True, slots=True)

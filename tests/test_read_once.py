@@ -48,6 +48,9 @@ def test_replicated_loads_read_every_byte_once(tmp_path: Path) -> None:
     network = [r["ddp/network"] for r in four]
     check(network, ddp_stored, "DDP 4 network only")
     assert all(r["nearby"] == 0 and r["remote"] > 0 for r in network)
+    auto = [r["ddp/auto_one_host"] for r in four]
+    assert all(not r["diff"] and r["received"] == 0 for r in auto)
+    assert sum(r["bytes_read"] for r in auto) >= 4 * ddp_stored * 0.99
     mixed = [r["ddp/two_nodes"] for r in four]
     check(mixed, ddp_stored, "DDP 4 as two nodes")
     assert all(r["nearby"] > 0 and r["remote"] > 0 for r in mixed)

@@ -52,6 +52,7 @@ _READERS: list[CheckpointReader] = []  # every reader of this process, for its e
 
 
 def _load(state: dict[str, Any], path: str, **reader_args: Any) -> tuple[CheckpointReader, float]:
+    reader_args.setdefault("read_once", True)  # local files: the default is off on one host
     reader = CheckpointReader(path, **reader_args)
     _READERS.append(reader)
     start = time.perf_counter()
@@ -127,9 +128,14 @@ def four_rank_suite(rank: int, world_size: int, root: str) -> dict[str, Any]:
     loaded = zeros_like(expected)
     reader, _ = _load(loaded, ddp_path, shared_memory=False, config=IOConfig(read_buffer_bytes=8 << 20))
     out["ddp/network"] = _outcome(reader, expected, loaded)
+    # The default (read_once=None) on local files: off on one host (the
+    # page cache serves every rank), on across (simulated) nodes.
+    loaded = zeros_like(expected)
+    reader, _ = _load(loaded, ddp_path, read_once=None)
+    out["ddp/auto_one_host"] = _outcome(reader, expected, loaded)
     os.environ[NODE_RANK_ENV] = str(rank // 2)
     loaded = zeros_like(expected)
-    reader, _ = _load(loaded, ddp_path, config=IOConfig(read_buffer_bytes=8 << 20))
+    reader, _ = _load(loaded, ddp_path, config=IOConfig(read_buffer_bytes=8 << 20), read_once=None)
     out["ddp/two_nodes"] = _outcome(reader, expected, loaded)
     os.environ.pop(NODE_RANK_ENV)
 

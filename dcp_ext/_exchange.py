@@ -7,7 +7,7 @@ order:
 
 1. Per batch: each rank waits for its reads of the batch, prepares its
    buffers (packing small items, resolving destinations) and
-   :meth:`Exchange.agree`\ s: an all-reduce of one flag; if any rank failed
+   calls :meth:`Exchange.agree`: an all-reduce of one flag; if any rank failed
    (reading or preparing), every rank learns each failure (all-gather) and
    raises the same error (the lowest failing rank's). Then each rank posts
    its point-to-point sends and receives and waits for them, each wait

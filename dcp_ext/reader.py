@@ -143,8 +143,10 @@ class CheckpointReader(StorageReader):
     Attributes:
         stats: Bytes and requests this reader's store has read (for tests and
             benchmarks): ``reader.store.stats.snapshot()``.
-        last_error: The dcp_ext error of the last failed ``read_metadata``;
-            DCP rewraps it in an ``AssertionError`` without a cause.
+        last_error: The dcp_ext error of the last failed ``read_metadata``
+            (DCP rewraps it in an ``AssertionError`` without a cause) or
+            read-once exchange (DCP's next collective fails too when a rank
+            died, raising gloo's error instead).
         frame_stats: Frames verified and decoded since the last ``reset``.
     """
 
@@ -383,7 +385,13 @@ class CheckpointReader(StorageReader):
         rank raises the same error if any rank fails)."""
         with gc_paused():
             if isinstance(plan.storage_data, RankExchange):
-                self._read_exchanging(plan, planner, plan.storage_data)
+                try:
+                    self._read_exchanging(plan, planner, plan.storage_data)
+                except DcpExtError as err:
+                    # DCP's own collective after read_data fails too when a
+                    # rank died, hiding this error; dcp_ext.load raises it.
+                    self.last_error = err
+                    raise
             else:
                 self._read_all(plan, planner)
         release_free_memory()
@@ -419,6 +427,7 @@ class CheckpointReader(StorageReader):
                 for items in owned
             ]
             rest = pool.submit(self._read_all, plan, planner, positions=alone)
+            failed = True
             try:
                 for batch in range(part.batches):
                     start = time.perf_counter()
@@ -429,10 +438,11 @@ class CheckpointReader(StorageReader):
                 read_error = rest.exception()
                 exchange.seconds["reading"] += time.perf_counter() - start
                 exchange.agree(read_error)
+                failed = False
             finally:
                 for future in [*reads, rest]:
                     future.cancel()
-                exchange.close()
+                exchange.close(failed)
 
     def _incoming(self, read_item: ReadItem, planner: LoadPlanner) -> Incoming:
         """Where a read item received from its owner lands (stored bytes of

@@ -120,3 +120,35 @@ def test_plan_read_once_spreads_and_splits() -> None:
                      and out[r.owner].items[s.item].storage_index == plan.items[r.item].storage_index]
             assert len(match) == 1
     assert parts[0].batches == max(s.batch for p in parts for s in p.sends) + 1 >= 2
+
+
+def test_a_rank_killed_mid_exchange_stops_the_others_quickly(tmp_path: Path) -> None:
+    """Rank 2 of 4 is SIGKILLed as the second exchange batch starts: the other
+    three raise ReadOnceExchangeError (dcp_ext.load raises it; stock dcp.load
+    raises gloo's error from its next collective) within seconds, and no
+    shared-memory segment of the load is left, the dead rank's included."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=read_once_workers.killed_rank_job,
+                         args=(rank, 4, str(tmp_path / "rendezvous"), str(tmp_path), results)) for rank in range(4)]
+    for proc in procs:
+        proc.start()
+    outcomes = []
+    try:
+        for _ in range(3):
+            outcomes.append(results.get(timeout=120))
+    except queue.Empty:
+        pass
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert procs[2].exitcode == -9
+    assert sorted(o["rank"] for o in outcomes) == [0, 1, 3], outcomes
+    assert all(o["error"] == "ReadOnceExchangeError" and o["seconds"] < 30 for o in outcomes), outcomes
+    exchange_id = outcomes[0]["exchange_id"]
+    assert exchange_id and not list(Path("/dev/shm").glob(f"dcp_ext-{exchange_id}-*"))

@@ -235,3 +235,45 @@ def three_rank_reshard(rank: int, world_size: int, root: str) -> dict[str, Any]:
         reader, _ = _load(loaded_sharded, f"{root}/hsdp", read_once=read_once)
         out[f"hsdp_to_fsdp3/{read_once}"] = _outcome(reader, _local(sharded), _local(loaded_sharded))
     return out
+
+
+def killed_rank_job(rank: int, world_size: int, init_file: str, root: str, results: Any) -> None:
+    """(a spawned process; no run_world: rank 2 dies on purpose) A DDP
+    read-once load in which rank 2 is SIGKILLed as it starts the second
+    exchange batch; the others report what they raised and how fast."""
+    import datetime
+    import signal
+    import warnings
+
+    import dcp_ext._exchange as exchange_module
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    expected = full_state()
+    path = f"{root}/ddp_killed"
+    dcp.save(expected, storage_writer=CheckpointWriter(path))
+    dist.barrier()
+    if rank == 2:
+        run_batch = exchange_module.Exchange.run_batch
+
+        def dying(self: Any, batch: int, *args: Any, **kwargs: Any) -> None:
+            if batch == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            run_batch(self, batch, *args, **kwargs)
+
+        exchange_module.Exchange.run_batch = dying  # type: ignore[method-assign]
+    start = time.perf_counter()
+    outcome: dict[str, Any] = {"rank": rank}
+    try:
+        _load(zeros_like(expected), path, config=IOConfig(read_buffer_bytes=1 << 20), exchange_timeout=30)
+        outcome["error"] = None
+    except BaseException:  # noqa: BLE001 - DCP's collective raises gloo's RuntimeError
+        error = _READERS[-1].last_error
+        outcome["error"] = type(error).__name__ if error is not None else "none recorded"
+    outcome["seconds"] = time.perf_counter() - start
+    outcome["exchange_id"] = _READERS[-1].last_exchange.plan.exchange_id if _READERS[-1].last_exchange else ""
+    results.put(outcome)
+    results.close()
+    results.join_thread()
+    os._exit(0)

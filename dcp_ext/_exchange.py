@@ -5,22 +5,27 @@ while a reading thread reads the items this rank owns, batch by batch
 (:mod:`dcp_ext.read_once`). Every rank calls the same collectives in the same
 order:
 
-1. Per batch: each rank waits for its reads of the batch, prepares its
-   buffers (packing small items, resolving destinations) and
+1. Per batch: each rank waits for its reads of the batch, copies the items
+   that receivers on its host need into its shared-memory segment, prepares
+   its network buffers (packing small items, resolving destinations) and
    calls :meth:`Exchange.agree`: an all-reduce of one flag; if any rank failed
    (reading or preparing), every rank learns each failure (all-gather) and
-   raises the same error (the lowest failing rank's). Then each rank posts
-   its point-to-point sends and receives and waits for them, each wait
-   bounded by ``timeout``; received items are committed into the state dict.
+   raises the same error (the lowest failing rank's). Then each rank copies
+   what it needs out of the segments of owners on its host, posts its
+   point-to-point sends and receives to and from other hosts and waits for
+   them, each wait bounded by ``timeout``; received items are committed into
+   the state dict.
 2. A last :meth:`Exchange.agree` covers the reads only this rank needed and
    failures while committing (each batch's commit failures are agreed at
    the start of the next batch).
 
-Items of at least ``_DIRECT`` bytes whose destination is contiguous travel
-straight from the owner's destination tensor to the receiver's, with no copy;
-smaller ones are packed into one message per pair of ranks and batch. Memory
-beyond the state dict is bounded by one batch's packed and non-contiguous
-items.
+Same host: each owner has two segment files in :data:`SHM_DIR`, used by
+alternate batches and mapped once per load; each item is copied in once and
+out once per receiver. Other hosts: items of at least ``_DIRECT`` bytes whose
+destination is contiguous travel straight from the owner's destination
+tensor to the receiver's; smaller ones are packed into one message per pair
+of ranks and batch. Memory beyond the state dict is bounded by two batches'
+segments and one batch's packed and non-contiguous items.
 """
 
 from __future__ import annotations

@@ -129,13 +129,6 @@ class RankExchange:
         """Plan items this rank does not read from storage."""
         return frozenset(r.item for r in self.receives)
 
-    @property
-    def sent_bytes(self) -> int:
-        return sum(s.nbytes * len(s.receivers) for s in self.sends)
-
-    @property
-    def received_bytes(self) -> int:
-        return sum(r.nbytes for r in self.receives)
 
 
 # (fqn, chunk offset, storage offsets, lengths) of a tensor read; (fqn, chunk offset) of bytes.

@@ -335,14 +335,13 @@ class CheckpointReader(StorageReader):
         """(coordinator) With read-once, give every read that several ranks
         share one owner (:func:`dcp_ext.read_once.plan_read_once`)."""
         seen = [plan.storage_data for plan in plans]
-        exchangeable = len(plans) > 1 and all(
-            isinstance(s, GroupSeen) and (s.rank, s.size) == (rank, len(plans)) for rank, s in enumerate(seen)
-        )
-        if not exchangeable:
-            return [dataclasses.replace(plan, storage_data=None) for plan in plans]
         groups = [s for s in seen if isinstance(s, GroupSeen)]
-        one_host = len({s.host for s in groups}) == 1
-        if self.read_once is None and one_host and self.store.kind == "local":
+        exchangeable = len(plans) > 1 and len(groups) == len(plans) and all(
+            (s.rank, s.size) == (rank, len(plans)) for rank, s in enumerate(groups)
+        )
+        # On one host a file's bytes are read once by the page cache anyway.
+        page_cache_shared = len({s.host for s in groups}) == 1 and self.store.kind == "local"
+        if not exchangeable or (self.read_once is None and page_cache_shared):
             return [dataclasses.replace(plan, storage_data=None) for plan in plans]
         hosts = [s.host if s.shared_memory else "" for s in groups]
         return plan_read_once(plans, self._item_bytes, self._item_order, self.config.read_buffer_bytes,
@@ -355,7 +354,7 @@ class CheckpointReader(StorageReader):
             return None  # torch-format items, or inconsistent metadata (the read says so)
         if item.type == LoadItemType.BYTE_IO:
             return info.raw_size if info.raw_size <= _MAX_BYTES_ITEM else None
-        chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+        chunk = self._chunks.get(_chunk_key(item))
         if chunk is None:
             return None
         return _numel(tuple(int(n) for n in item.lengths)) * chunk[0].itemsize
@@ -364,7 +363,7 @@ class CheckpointReader(StorageReader):
         """Rows of the item's chunk per frame, when frames hold whole rows
         and the item spans whole rows (cuts there share no frame); else 1."""
         info = self.storage_data.get(item.storage_index)
-        chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+        chunk = self._chunks.get(_chunk_key(item))
         if not isinstance(info, StoredItem) or not info.frame_size or chunk is None:
             return 1
         dtype, sizes = chunk
@@ -453,7 +452,7 @@ class CheckpointReader(StorageReader):
         dtype, _ = self._chunk(read_item)
         lengths = tuple(int(n) for n in read_item.lengths)
         target = self._target(read_item, planner, lengths)
-        if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+        if _lands_directly(target, dtype):
             return Incoming(as_bytes(target), lambda: planner.commit_tensor(read_item, target))
         box = torch.empty(lengths, dtype=dtype)
 
@@ -557,13 +556,12 @@ class CheckpointReader(StorageReader):
 
     def _chunk(self, read_item: ReadItem) -> tuple[torch.dtype, tuple[int, ...]]:
         """Dtype and shape of the stored chunk a read item reads from."""
-        fqn = read_item.storage_index.fqn
-        key = (fqn, tuple(read_item.storage_index.offset or ()))
+        key = _chunk_key(read_item)
         try:
             return self._chunks[key]
         except KeyError:
             raise CheckpointCorruptError(
-                f"checkpoint {self.path}: no chunk of {fqn!r} at offset {key[1]} in metadata",
+                f"checkpoint {self.path}: no chunk of {key[0]!r} at offset {key[1]} in metadata",
                 self.path,
             ) from None
 
@@ -598,11 +596,7 @@ class CheckpointReader(StorageReader):
 
         if shape.runs == 0:
             return _Pending([], 0, commit, lambda: torch.empty(lengths, dtype=dtype))
-        direct = (
-            target.device.type == "cpu"
-            and target.dtype == dtype
-            and target.is_contiguous()
-        )
+        direct = _lands_directly(target, dtype)
         if shape.runs == 1 or (shape.run * esize >= self.store.coalesce_gap and shape.runs <= _MAX_RUNS):
             box = target if direct else torch.empty(lengths, dtype=dtype)
             view = tensor_bytes(box)
@@ -702,6 +696,16 @@ class CheckpointReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _chunk_key(item: ReadItem) -> tuple[str, tuple[int, ...]]:
+    """The ``(key, chunk offset)`` of the stored chunk a read item reads from."""
+    return (item.storage_index.fqn, tuple(item.storage_index.offset or ()))
+
+
+def _lands_directly(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether stored bytes of ``dtype`` can land in ``target`` as they are."""
+    return target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
 
 
 def _numel(sizes: tuple[int, ...]) -> int:

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from .config import RetryPolicy
 
-__all__ = ["retry_sync", "backoff_delay"]
+__all__ = ["retry_sync", "backoff_delay", "PACED_ATTEMPTS_FACTOR"]
 
 log = logging.getLogger("dcp_ext.retry")
 
@@ -23,24 +23,53 @@ def backoff_delay(policy: RetryPolicy, attempt: int) -> float:
     return random.uniform(0.0, ceiling)
 
 
+#: A request that a rate limiter paces may be throttled this many times
+#: ``max_attempts`` before the error is raised.
+PACED_ATTEMPTS_FACTOR = 4
+
+
 def retry_sync(
     fn: Callable[[], T],
     policy: RetryPolicy,
     is_transient: Callable[[BaseException], bool],
     what: str,
+    paced: Callable[[BaseException], bool] | None = None,
 ) -> T:
-    """Call ``fn`` until it succeeds, a non-transient error, or attempts run out."""
-    attempt = 1
+    """Call ``fn`` until it succeeds, a non-transient error, or attempts run out.
+
+    Errors that ``paced`` accepts (throttling, when ``fn`` waits for a rate
+    limiter that slows down on it: :mod:`dcp_ext.storage._rate_limit`) are
+    retried differently. The limiter already spaces the attempts, so the
+    delay before the next one stays at most ``base_delay`` instead of
+    doubling: exponential backoff on top of pacing made the few unlucky
+    requests of a throttled save sleep for seconds at its end, holding up the
+    file they belong to. A throttled request may be retried up to
+    :data:`PACED_ATTEMPTS_FACTOR` times ``max_attempts`` times (other errors
+    keep their own count): when a prefix is shared by many ranks, a request
+    refused several times in a row is bad luck, not a reason to fail the
+    save. Those retries are logged at debug level (a busy save meets them by
+    the hundred; the limiter logs when it starts pacing), others as warnings.
+    """
+    attempt = throttled = 1
     while True:
         try:
             return fn()
         except Exception as err:
-            if attempt >= policy.max_attempts or not is_transient(err):
+            if not is_transient(err):
                 raise
-            delay = backoff_delay(policy, attempt)
-            log.warning(
-                "%s: transient error (attempt %d/%d), retrying in %.2fs: %s",
-                what, attempt, policy.max_attempts, delay, err,
-            )
+            if paced is not None and paced(err):
+                if throttled >= policy.max_attempts * PACED_ATTEMPTS_FACTOR:
+                    raise
+                delay = random.uniform(0.0, policy.base_delay)
+                log.debug("%s: throttled (%d), retrying in %.2fs: %s", what, throttled, delay, err)
+                throttled += 1
+            else:
+                if attempt >= policy.max_attempts:
+                    raise
+                delay = backoff_delay(policy, attempt)
+                log.warning(
+                    "%s: transient error (attempt %d/%d), retrying in %.2fs: %s",
+                    what, attempt, policy.max_attempts, delay, err,
+                )
+                attempt += 1
             time.sleep(delay)
-            attempt += 1

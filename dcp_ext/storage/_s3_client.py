@@ -47,6 +47,7 @@ __all__ = [
     "get_connection",
     "clear_client_cache",
     "is_transient_s3_error",
+    "is_throttling_s3_error",
     "translate_s3_error",
 ]
 
@@ -70,6 +71,23 @@ _TRANSIENT_CODES = frozenset(
         "BadDigest",
         "XAmzContentSHA256Mismatch",
         "IncompleteBody",
+    }
+)
+# botocore's list of throttling codes (retries/standard.py), the ones S3 and
+# S3-compatible servers send. They feed the adaptive rate limiter
+# (dcp_ext.storage._rate_limit), besides being retried.
+_THROTTLING_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "PriorRequestNotComplete",
     }
 )
 _CREDENTIAL_CODES = frozenset(
@@ -129,6 +147,16 @@ def is_transient_s3_error(err: BaseException) -> bool:
             TimeoutError,
         ),
     )
+
+
+def is_throttling_s3_error(err: BaseException) -> bool:
+    """Whether an S3 call failed because the server is refusing the request rate:
+    a throttling code, or HTTP 503/429 (HEAD responses carry no code)."""
+    parts = _client_error_parts(err)
+    if parts is None:
+        return False
+    code, status = parts
+    return code in _THROTTLING_CODES or status in (429, 503)
 
 
 def translate_s3_error(err: BaseException, where: str, doing: str) -> DcpExtError:

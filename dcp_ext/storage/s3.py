@@ -12,6 +12,10 @@
   straight into destination memory.
 * Transient failures (throttling, 5xx, resets, timeouts, short bodies) are
   retried with bounded exponential backoff (:mod:`dcp_ext._retry`).
+* Every attempt goes through the adaptive rate limiter of its key prefix
+  (:mod:`dcp_ext.storage._rate_limit`), shared by the store's threads: after
+  a ``503 SlowDown`` the store paces its requests to that prefix to what S3
+  accepts instead of retrying at full speed.
 
 How clients are built from ``storage_options`` and how errors are classified:
 :mod:`dcp_ext.storage._s3_client`.
@@ -24,7 +28,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from .._ranges import ReadRequest
 from .._retry import retry_sync
@@ -40,10 +44,12 @@ from ..errors import (
     TransientStorageError,
 )
 from ._base import IncompleteUpload, ObjectWriter, Store, request_views, scatter
+from ._rate_limit import LimiterStats, PrefixRateLimiters
 from ._s3_client import (
     S3Connection,
     _client_error_parts,
     get_connection,
+    is_throttling_s3_error,
     is_transient_s3_error,
     translate_s3_error,
 )
@@ -51,6 +57,8 @@ from ._s3_client import (
 __all__ = ["S3Store", "split_s3_url"]
 
 log = logging.getLogger("dcp_ext.s3")
+
+T = TypeVar("T")
 
 
 _MAX_PARTS = 10_000
@@ -320,6 +328,7 @@ class S3Store(Store):
         self.connection: S3Connection = get_connection(storage_options, config)
         self._bucket_checked = False
         self._part_buffers = _PartBuffers(config.max_concurrency + 1)
+        self.rate_limiters = PrefixRateLimiters(label=f"s3://{self.bucket}/")
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -327,6 +336,27 @@ class S3Store(Store):
     def describe(self, name: str = "") -> str:
         base = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         return f"{base}/{name}" if name else base
+
+    def paced(self, key: str, attempt: Callable[[], T]) -> Callable[[], T]:
+        """``attempt`` made to wait for, and report to, the rate limiter of ``key``'s prefix."""
+        limiter = self.rate_limiters.for_key(key)
+
+        def run() -> T:
+            sent = limiter.acquire()
+            try:
+                result = attempt()
+            except Exception as err:
+                if is_throttling_s3_error(err):
+                    limiter.throttled(sent)
+                raise
+            limiter.succeeded(sent)
+            return result
+
+        return run
+
+    def rate_limit_stats(self) -> dict[str, LimiterStats]:
+        """What the rate limiter of each key prefix this store used saw."""
+        return self.rate_limiters.stats()
 
     def call(self, method: str, doing: str, key: str | None = None, **kwargs: Any) -> Any:
         """One S3 API call with retries; errors become dcp_ext errors.
@@ -340,10 +370,12 @@ class S3Store(Store):
         if key is not None:
             kwargs["Key"] = key
         function: Callable[..., Any] = getattr(self.connection.client, method)
+        # Calls without a key (listings) count against the prefix they list.
+        limited = key if key is not None else str(kwargs.get("Prefix", f"{self.prefix}/"))
         try:
             return retry_sync(
-                lambda: function(Bucket=self.bucket, **kwargs),
-                self.config.retry, is_transient_s3_error, f"{doing} {where}",
+                self.paced(limited, lambda: function(Bucket=self.bucket, **kwargs)),
+                self.config.retry, is_transient_s3_error, f"{doing} {where}", is_throttling_s3_error,
             )
         except DcpExtError:
             raise
@@ -363,7 +395,8 @@ class S3Store(Store):
 
         where = self.describe(name)
         try:
-            return retry_sync(attempt, self.config.retry, is_transient_s3_error, f"reading {where}")
+            return retry_sync(self.paced(key, attempt), self.config.retry, is_transient_s3_error, f"reading {where}",
+                              is_throttling_s3_error)
         except DcpExtError:
             raise
         except Exception as err:
@@ -435,8 +468,8 @@ class S3Store(Store):
                     body.close()  # unknown connection state: discard it
 
         try:
-            retry_sync(attempt, self.config.retry, is_transient_s3_error,
-                       f"reading {where} [{request.offset}, {last + 1})")
+            retry_sync(self.paced(self.key(request.name), attempt), self.config.retry, is_transient_s3_error,
+                       f"reading {where} [{request.offset}, {last + 1})", is_throttling_s3_error)
         except DcpExtError:
             raise
         except Exception as err:
@@ -472,15 +505,17 @@ class S3Store(Store):
     def delete(self, name: str) -> None:
         self.call("delete_object", "deleting", self.key(name), **self.connection.list_params)
 
-    def _list(self) -> tuple[list[str], list[str]]:
-        """(files, directories) directly under the prefix."""
+    def _list(self, recursive: bool = False) -> tuple[list[str], list[str]]:
+        """(files, directories) directly under the prefix; every file below it if ``recursive``."""
         self._check_bucket()
         prefix = f"{self.prefix}/" if self.prefix else ""
         files: list[str] = []
         dirs: list[str] = []
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"Prefix": prefix, "Delimiter": "/", **self.connection.list_params}
+            kwargs: dict[str, Any] = {"Prefix": prefix, **self.connection.list_params}
+            if not recursive:
+                kwargs["Delimiter"] = "/"
             if token:
                 kwargs["ContinuationToken"] = token
             response = self.call("list_objects_v2", "listing", **kwargs)
@@ -496,6 +531,9 @@ class S3Store(Store):
 
     def list_dirs(self) -> list[str]:
         return self._list()[1]
+
+    def list_tree(self) -> list[str]:
+        return self._list(recursive=True)[0]
 
     def _read_range_short(self, name: str, offset: int, length: int) -> bytes:
         key = self.key(name)

@@ -13,6 +13,14 @@ with a fault instead (or after) forwarding:
 
 Every request and every injected fault is recorded, so tests can assert how
 many attempts a client made.
+
+With a :class:`PrefixRateLimit` the proxy also enforces a request rate per
+key prefix, as S3 does per partition: each prefix (the bucket and the key up
+to its last ``/``; for a listing, the listed prefix up to its last ``/``) has
+a token bucket of ``rate`` requests per second, and a request that finds it
+empty gets S3's ``503 SlowDown`` without reaching the server (recorded as
+fault ``"throttle"``). :meth:`FaultProxy.prefix_stats` counts requests and
+throttles per prefix.
 """
 
 from __future__ import annotations
@@ -26,9 +34,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
-__all__ = ["FaultProxy", "FaultPlan", "RequestLog"]
+__all__ = ["FaultProxy", "FaultPlan", "PrefixRateLimit", "PrefixStats", "RequestLog", "prefix_of"]
 
 FAULTS = ("slowdown", "internal", "reset", "truncate", "delay")
 
@@ -40,11 +48,12 @@ _ERROR_BODY = (
 
 @dataclass(frozen=True)
 class RequestLog:
-    """One request seen by the proxy and the fault (if any) it got."""
+    """One request seen by the proxy, the fault (if any) it got, and when (``time.monotonic()``)."""
 
     method: str
     path: str
     fault: str | None
+    at: float = 0.0
 
 
 @dataclass
@@ -88,6 +97,60 @@ class FaultPlan:
         return self.faults[(self._injected - 1) % len(self.faults)]
 
 
+@dataclass(frozen=True)
+class PrefixRateLimit:
+    """A request rate per key prefix, enforced like S3's per-partition limit.
+
+    Attributes:
+        rate: Requests per second each prefix accepts.
+        burst: Requests a prefix accepts at once after being idle (the token
+            bucket's size); ``None``: a tenth of a second's worth (at least 1).
+    """
+
+    rate: float
+    burst: float | None = None
+
+    @property
+    def capacity(self) -> float:
+        return self.burst if self.burst is not None else max(1.0, self.rate / 10)
+
+
+@dataclass
+class PrefixStats:
+    """What the proxy saw of one prefix: requests (throttled ones included) and throttles."""
+
+    requests: int = 0
+    throttled: int = 0
+
+
+def prefix_of(method: str, path: str) -> str:
+    """The key prefix a path-style request counts against: ``bucket/a/b`` for
+    ``/bucket/a/b/c``; for a request on the bucket itself (a listing), the
+    bucket and its ``prefix`` parameter up to the last ``/``."""
+    parts = urlsplit(path)
+    bucket, _, key = unquote(parts.path).lstrip("/").partition("/")
+    if not key:
+        key = parse_qs(parts.query).get("prefix", [""])[0]
+    head = key.rpartition("/")[0]
+    return f"{bucket}/{head}" if head else bucket
+
+
+class _TokenBuckets:
+    """One token bucket per prefix (callers hold the proxy's lock)."""
+
+    def __init__(self, limit: PrefixRateLimit) -> None:
+        self.limit = limit
+        self._buckets: dict[str, tuple[float, float]] = {}  # prefix -> (tokens, when)
+
+    def take(self, prefix: str, now: float) -> bool:
+        capacity = self.limit.capacity
+        tokens, when = self._buckets.get(prefix, (capacity, now))
+        tokens = min(capacity, tokens + (now - when) * self.limit.rate)
+        allowed = tokens >= 1.0
+        self._buckets[prefix] = (tokens - 1.0 if allowed else tokens, now)
+        return allowed
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _ProxyServer
@@ -106,9 +169,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.close()
             return
-        if fault in ("slowdown", "internal"):
-            status, code = (503, "SlowDown") if fault == "slowdown" else (500, "InternalError")
-            payload = _ERROR_BODY.format(code=code, message=f"injected {fault}").encode()
+        if fault in ("slowdown", "internal", "throttle"):
+            status, code = (500, "InternalError") if fault == "internal" else (503, "SlowDown")
+            message = "Please reduce your request rate." if fault == "throttle" else f"injected {fault}"
+            payload = _ERROR_BODY.format(code=code, message=message).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(payload)))
@@ -156,15 +220,21 @@ class FaultProxy:
     """Run a fault-injecting proxy to ``upstream`` (an ``http://host:port`` URL).
 
     Use as a context manager; ``endpoint_url`` is the address clients use.
-    ``plan`` can be replaced between phases of a test.
+    ``plan`` can be replaced between phases of a test, and so can
+    ``rate_limit`` (a :class:`PrefixRateLimit`, or ``None`` for no limit).
     """
 
-    def __init__(self, upstream: str, plan: FaultPlan | None = None) -> None:
+    def __init__(
+        self, upstream: str, plan: FaultPlan | None = None, rate_limit: PrefixRateLimit | None = None
+    ) -> None:
         parts = urlsplit(upstream)
         self.upstream_host = parts.hostname or "127.0.0.1"
         self.upstream_port = parts.port or 80
         self.plan = plan or FaultPlan()
+        self.rate_limit = rate_limit
         self.log: list[RequestLog] = []
+        self._stats: dict[str, PrefixStats] = {}
+        self._buckets: _TokenBuckets | None = None
         self._lock = threading.Lock()
         self._server = _ProxyServer(("127.0.0.1", 0), _Handler)
         self._server.owner = self
@@ -175,10 +245,26 @@ class FaultProxy:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def decide(self, method: str, path: str) -> str | None:
+        prefix = prefix_of(method, path)
         with self._lock:
-            fault = self.plan.choose(method, path)
-            self.log.append(RequestLog(method, path, fault))
+            stats = self._stats.setdefault(prefix, PrefixStats())
+            stats.requests += 1
+            fault = None
+            if self.rate_limit is not None:
+                if self._buckets is None or self._buckets.limit != self.rate_limit:
+                    self._buckets = _TokenBuckets(self.rate_limit)
+                if not self._buckets.take(prefix, time.monotonic()):
+                    fault = "throttle"
+                    stats.throttled += 1
+            if fault is None:
+                fault = self.plan.choose(method, path)
+            self.log.append(RequestLog(method, path, fault, time.monotonic()))
             return fault
+
+    def prefix_stats(self) -> dict[str, PrefixStats]:
+        """Requests and throttles per prefix since the start (or :meth:`reset_log`)."""
+        with self._lock:
+            return {prefix: PrefixStats(s.requests, s.throttled) for prefix, s in sorted(self._stats.items())}
 
     def faults(self) -> list[RequestLog]:
         with self._lock:
@@ -187,6 +273,7 @@ class FaultProxy:
     def reset_log(self) -> None:
         with self._lock:
             self.log.clear()
+            self._stats.clear()
 
     def __enter__(self) -> FaultProxy:
         self._thread.start()

@@ -32,7 +32,6 @@ import contextlib
 import datetime
 import json
 import logging
-import math
 import multiprocessing as mp
 import os
 import subprocess
@@ -40,7 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from dcp_ext.metadata import StoredItem
+
+from .scale_report import render_markdown
 
 __all__ = [
     "EncodedMetadata",
@@ -60,7 +61,6 @@ __all__ = [
     "SYSTEMS",
     "run_case",
     "default_cases",
-    "render_table",
     "run",
     "main",
 ]
@@ -72,6 +72,8 @@ ROOT = BENCH.parent
 SYSTEMS = ("dcp_ext", "torch")
 DEFAULT_RANKS = (8, 64, 512, 1024, 8192)
 QUICK_RANKS = (8, 64)
+#: The step in which the simulator builds the ranks' plans (not timed against the limit).
+SYNTHESIS = "synthesize plans"
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -241,6 +243,7 @@ class _Messages:
     def __init__(self, case: Case, start: float) -> None:
         self.case, self.start = case, start
         self.phase, self.error = "start", ""
+        self.synthesized_at = start  # the time limit counts from here
         self.result: dict[str, Any] = {}
         self.partial: dict[str, Any] = {}  # finished steps, kept in case the child does not finish
 
@@ -252,6 +255,8 @@ class _Messages:
                     self.phase = message["phase"]
                     log.info("%s: %s (%.0f s)", self.case.label, self.phase, time.monotonic() - self.start)
                 if "step" in message:
+                    if message["step"] == SYNTHESIS:
+                        self.synthesized_at = time.monotonic()
                     self.partial.setdefault("seconds", {})[message["step"]] = message["seconds"]
                     self.partial.setdefault("rss_mib", {})[message["step"]] = message["rss_mib"]
                 self.result = message.get("result", self.result)
@@ -287,6 +292,9 @@ def _child_entry(kind: str, case: Case, workdir: Path, options: dict[str, Any], 
 def _run_child(kind: str, case: Case, workdir: Path, limits: Limits, options: dict[str, Any] | None = None) -> _Outcome:
     """Run one step (``save``, ``load``, ``profile``) of ``case`` in a child process.
 
+    ``limits.timeout`` counts from the end of the plans' synthesis (the
+    simulator's work, not the system's); ``limits.memory_bytes`` always.
+
     The child is forked from this process, which has imported torch and
     dcp_ext but runs no case itself: it starts like a fresh interpreter with
     those imports done (its peak RSS starts at its RSS when forked), without
@@ -307,7 +315,7 @@ def _run_child(kind: str, case: Case, workdir: Path, limits: Limits, options: di
         if not proc.is_alive():
             break
         peak = max(peak, _rss_bytes(proc.pid or 0))
-        if time.monotonic() - start > limits.timeout:
+        if time.monotonic() - messages.synthesized_at > limits.timeout:
             status = "timeout"
         elif peak > limits.memory_bytes:
             status = "memory"
@@ -385,10 +393,12 @@ def default_cases(quick: bool, systems: Sequence[str] = SYSTEMS, tp: int = 1) ->
     return cases
 
 
-def run_cases(cases: Sequence[Case], limits: Limits, isolate: bool = True) -> list[dict[str, Any]]:
-    """Measure every case in order; once a (system, model, tp) did not finish at
-    some N, its larger N are skipped."""
-    rows: list[dict[str, Any]] = []
+def run_cases(cases: Sequence[Case], limits: Limits, isolate: bool = True, out: list[dict[str, Any]] | None = None,
+              on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Measure every case in order (rows appended to ``out``, ``on_row`` called
+    after each); once a (system, model, tp) did not finish at some N, its
+    larger N are skipped."""
+    rows: list[dict[str, Any]] = [] if out is None else out
     failed: dict[tuple[str, str, int], int] = {}
     for case in cases:
         key = (case.system, case.model, case.tp)
@@ -397,167 +407,36 @@ def run_cases(cases: Sequence[Case], limits: Limits, isolate: bool = True) -> li
             continue
         row = run_case(case, limits, isolate)
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
         if row["status"] != "ok" and ("timeout" in row["status"] or "did not finish" in row["status"]
                                       or "exceeded" in row["status"]):
             failed[key] = case.ranks
     return rows
 
 
-# -- reporting ------------------------------------------------------------------------------
-
-
-def _fmt_s(value: float | None) -> str:
-    if value is None:
-        return "–"
-    return f"{value:.3f}" if value < 1 else f"{value:.2f}" if value < 100 else f"{value:.0f}"
-
-
-def _fmt_bytes(value: float | None) -> str:
-    if value is None:
-        return "–"
-    return f"{value / MiB:,.1f} MiB" if value >= MiB else f"{value / 1024:,.1f} KiB"
-
-
-def _steps(row: dict[str, Any], kind: str) -> dict[str, Any]:
-    return dict(row.get(kind, {}).get("seconds", {}))
-
-
-_COLUMNS = ("model", "ranks", "chunks", "system", "plan s", "encode s", "metadata bytes", "B/chunk",
-            "index bytes", "B/frame", "decode s", "peak RSS MiB", "load plan s", "load RSS MiB")
-
-
-def _cells(row: dict[str, Any]) -> list[str]:
-    save, load = row.get("save", {}), row.get("load", {})
-    chunks = save.get("chunks")
-    global_bytes, index_bytes, frames = save.get("global_bytes"), save.get("index_bytes"), save.get("frames")
-    ranks = f"{row['ranks']:,}" + (f" (tp {row['tp']})" if row.get("tp", 1) > 1 else "")
-    cells = [row["model"], ranks, f"{chunks:,}" if chunks else "–", row["system"]]
-    if "global_bytes" not in save:
-        plan = _steps(row, "save").get("global plan")
-        status = row["status"] if plan is None else f"{_fmt_s(plan)} ({row['status']})"
-        rss = save.get("sampled_rss_mib")
-        tail = ["–"] * (len(_COLUMNS) - len(cells) - 4)
-        return cells + [status] + tail + [f"≥ {rss:,.0f}" if rss else "–", "–", "–"]
-    per_frame = "–"
-    if index_bytes and frames:
-        per_frame = f"{index_bytes / frames:.1f}"
-    cells += [
-        _fmt_s(_steps(row, "save").get("global plan")),
-        _fmt_s(_steps(row, "save").get("encode")),
-        _fmt_bytes(global_bytes),
-        f"{global_bytes / chunks:.0f}" if chunks else "–",
-        _fmt_bytes(index_bytes) if index_bytes else "0",
-        per_frame,
-        _fmt_s(_steps(row, "load").get("decode")) if load.get("seconds") else row["status"],
-        f"{save.get('peak_rss_mib', 0):,.0f}",
-        _fmt_s(_steps(row, "load").get("load plan")),
-        f"{load['peak_rss_mib']:,.0f}" if "peak_rss_mib" in load else "–",
-    ]
-    return cells
-
-
-def render_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The main markdown table: one line per case."""
-    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "|".join("---:" if c not in ("model", "system") else "---"
-                                                               for c in _COLUMNS) + "|"]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def render_extras(rows: Sequence[dict[str, Any]]) -> str:
-    """What else a dcp_ext save's coordinator writes and a loading rank reads."""
-    head = ("model", "ranks", "write items", "frames", "data files", "interop .metadata", "interop pickle s",
-            "partition.json", "partition encode s", "partition decode s", "read items", "files read",
-            "index bytes read", "index decode s")
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
-    for row in rows:
-        save, load = row.get("save", {}), row.get("load", {})
-        if row["system"] != "dcp_ext" or "interop_bytes" not in save:
-            continue
-        lines.append("| " + " | ".join([
-            row["model"], f"{row['ranks']:,}", f"{save['write_items']:,}", f"{save['frames']:,}",
-            f"{save['files']:,}", _fmt_bytes(save["interop_bytes"]), _fmt_s(_steps(row, "save").get("interop pickle")),
-            _fmt_bytes(save["partition_bytes"]), _fmt_s(_steps(row, "save").get("partition encode")),
-            _fmt_s(_steps(row, "load").get("partition decode")),
-            f"{load['read_items']:,}" if "read_items" in load else "–",
-            f"{load['files_read']:,}" if "files_read" in load else "–",
-            _fmt_bytes(load["index_bytes_read"]) if load.get("index_bytes_read") else "0",
-            _fmt_s(_steps(row, "load").get("index decode")),
-        ]) + " |")
-    return "\n".join(lines)
-
-
-def growth(rows: Sequence[dict[str, Any]], kind: str, step: str) -> list[tuple[str, int, int, float]]:
-    """Growth exponents of one step between consecutive N of each (system, model):
-    ``(system, N1, N2, log(t2 / t1) / log(N2 / N1))``."""
-    out = []
-    series: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
-    for row in rows:
-        seconds = _steps(row, kind).get(step)
-        if seconds:
-            series.setdefault((row["system"], row["model"], row.get("tp", 1)), []).append((row["ranks"], seconds))
-    for (system, _, _), points in series.items():
-        points.sort()
-        for (n1, t1), (n2, t2) in zip(points, points[1:]):
-            if t1 > 0.01 and n2 > n1:
-                out.append((system, n1, n2, math.log(t2 / t1) / math.log(n2 / n1)))
-    return out
-
-
 # -- profiling -------------------------------------------------------------------------------
 
 
 def run_profiles(model: str, ranks: Sequence[int], systems: Sequence[str], limits: Limits, seconds: float,
-                 top: int = 15) -> list[dict[str, Any]]:
+                 top: int = 15, out: list[dict[str, Any]] | None = None,
+                 on_profile: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """``cProfile`` of the coordinator's ``create_global_plan`` at each N (each in a fresh process)."""
-    profiles = []
+    profiles: list[dict[str, Any]] = [] if out is None else out
     for system in systems:
         for n in ranks:
             case = Case(system, model, n)
             with tempfile.TemporaryDirectory(prefix="dcp_ext_scale_") as tmp:
-                # The child's own alarm stops the profile; the limit covers synthesis too.
-                budget = replace(limits, timeout=limits.timeout + seconds)
+                # The child's own alarm stops the profile after `seconds`.
+                budget = replace(limits, timeout=max(limits.timeout, seconds + 60))
                 outcome = _run_child("profile", case, Path(tmp), budget, {"seconds": seconds, "top": top})
             entry = {"system": system, "model": model, "ranks": n, "status": outcome.status, **outcome.result}
             if outcome.status != "ok":
                 entry["status"] = _failure(outcome, budget)
             profiles.append(entry)
+            if on_profile is not None:
+                on_profile(entry)
     return profiles
-
-
-def render_profiles(profiles: Sequence[dict[str, Any]]) -> str:
-    """Top functions per profile, then per-function growth exponents between
-    consecutive N of one system (``>=`` where the larger run was cut off)."""
-    parts = []
-    for p in profiles:
-        title = f"#### {p['system']} {p['model']} N={p['ranks']:,}: "
-        if "top" not in p:
-            parts.append(title + p["status"])
-            continue
-        done = "finished" if p["finished"] else "stopped (time limit)"
-        parts.append(title + f"{done} after {p['seconds']:.1f} s under cProfile\n")
-        parts.append("| function | calls | tottime s | cumtime s |\n|---|---:|---:|---:|")
-        parts += [f"| `{r['function']}` | {r['calls']:,} | {r['tottime']:.2f} | {r['cumtime']:.2f} |" for r in p["top"]]
-        parts.append("")
-    by_system: dict[str, list[dict[str, Any]]] = {}
-    for p in profiles:
-        if "cumtime" in p:
-            by_system.setdefault(p["system"], []).append(p)
-    for system, runs in by_system.items():
-        runs.sort(key=lambda p: p["ranks"])
-        for small, large in zip(runs, runs[1:]):
-            ratio = math.log(large["ranks"] / small["ranks"])
-            rows = []
-            for name in (r["function"] for r in large["top"]):
-                t1, t2 = small["cumtime"].get(name), large["cumtime"].get(name)
-                if t1 and t2 and t1 >= 0.05:
-                    bound = "" if large["finished"] else ">= "
-                    rows.append(f"| `{name}` | {t1:.2f} | {t2:.2f} | {bound}{math.log(t2 / t1) / ratio:.2f} |")
-            if rows:
-                parts.append(f"#### {system}: growth N={small['ranks']:,} -> {large['ranks']:,} (cumulative time)\n")
-                parts.append("| function | s at small N | s at large N | exponent |\n|---|---:|---:|---:|")
-                parts += rows + [""]
-    return "\n".join(parts)
 
 
 # -- CLI -----------------------------------------------------------------------------------
@@ -669,28 +548,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      repeats=args.repeats) for c in cases]
     log.info("%d cases, %.0f s and %.1f GiB per process", len(cases), limits.timeout, memory)
     torch.set_num_threads(1)  # the forked children inherit it
-    started = time.time()
-    rows = run_cases(cases, limits, isolate=not args.in_process)
-    profile_ranks = args.profile if args.profile is not None else ([1024, 8192] if default_run else [])
-    profiles = run_profiles("8B" if args.model is None else args.model[0], profile_ranks, args.profile_systems,
-                            limits, args.profile_seconds) if profile_ranks else []
-    sections = [render_table(rows), "", render_extras(rows), ""]
-    exponents = growth(rows, "save", "global plan")
-    if exponents:
-        sections.append("Growth of the coordinator's planning time, t ~ N^k:\n")
-        sections += [f"* {system}: N={n1:,} -> {n2:,}: k = {k:.2f}" for system, n1, n2, k in exponents]
-        sections.append("")
-    if profiles:
-        sections.append(render_profiles(profiles))
-    markdown = "\n".join(sections)
-    print(markdown)
-    report = {"kind": "bench.scale", "note": args.note, "argv": sys.argv[1:], "started": started, "seconds": round(time.time() - started, 1),
-              "limits": asdict(limits), "rows": rows, "profiles": profiles, "markdown": markdown}
+    path = None
     if args.json is not None or default_run:
         path = Path(args.json) if args.json else _default_json(args.quick)
+    rows: list[dict[str, Any]] = []
+    profiles: list[dict[str, Any]] = []
+    report: dict[str, Any] = {"kind": "bench.scale", "note": args.note, "argv": sys.argv[1:],
+                              "started": time.time(), "limits": asdict(limits), "rows": rows, "profiles": profiles}
+    if path is not None:
         report["machine"] = machine_info()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
+
+    def save(_: object = None) -> None:
+        """Write what is done so far: a run stopped half-way keeps its rows."""
+        report["seconds"] = round(time.time() - report["started"], 1)
+        report["markdown"] = render_markdown(rows, profiles)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=1) + "\n")
+
+    run_cases(cases, limits, isolate=not args.in_process, out=rows, on_row=save)
+    profile_ranks = args.profile if args.profile is not None else ([1024, 8192] if default_run else [])
+    if profile_ranks:
+        run_profiles("8B" if args.model is None else args.model[0], profile_ranks, args.profile_systems,
+                     limits, args.profile_seconds, out=profiles, on_profile=save)
+    report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    save()
+    print(report["markdown"])
+    if path is not None:
         log.info("results written to %s", path)
         report["json_path"] = str(path)
     return report

@@ -39,13 +39,13 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from .model_shapes import MODELS
-from .scale import Case, EncodedMetadata, attach_dcp_ext_indexes, decode_dcp_ext, encode_dcp_ext
+from .scale import SYNTHESIS, Case, EncodedMetadata, attach_dcp_ext_indexes, decode_dcp_ext, encode_dcp_ext
 from .scale_plans import (
     Layout,
     dcp_ext_write_results,
     finish_plans,
     load_state_dict,
-    save_plans,
+    rank_save_plan,
     torch_write_results,
 )
 
@@ -90,7 +90,8 @@ def _gc_policy(case: Case) -> Iterator[None]:
 
 
 class _Clock:
-    """Wall time and peak RSS after each named step.
+    """Wall time, CPU time (this process's, which a busy machine inflates
+    less) and peak RSS after each named step.
 
     :meth:`timed` runs a step up to ``repeats`` times while one run takes
     under :data:`_REPEAT_BELOW` seconds and keeps the fastest (the machine may
@@ -101,15 +102,17 @@ class _Clock:
         self.emit = emit
         self.case = case
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
         self.samples: dict[str, list[float]] = {}
         self.rss: dict[str, float] = {}
 
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[None]:
         self.emit(phase=name)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         yield
         self.seconds[name] = time.perf_counter() - start
+        self.cpu_seconds[name] = time.process_time() - cpu
         self.samples[name] = [round(self.seconds[name], 4)]
         self.rss[name] = peak_rss_mib()
         self.emit(step=name, seconds=self.seconds[name], rss_mib=self.rss[name])
@@ -118,16 +121,19 @@ class _Clock:
         """``fn()`` under the case's GC policy, timed; its last result."""
         self.emit(phase=name)
         samples: list[float] = []
+        cpu_samples: list[float] = []
         result: _T | None = None
         while True:
             result = None  # the previous run's result is freed before the next
             with _gc_policy(self.case):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 result = fn()
                 samples.append(time.perf_counter() - start)
+                cpu_samples.append(time.process_time() - cpu)
             if len(samples) >= self.case.repeats or samples[-1] >= _REPEAT_BELOW:
                 break
         self.seconds[name] = min(samples)
+        self.cpu_seconds[name] = min(cpu_samples)
         self.samples[name] = [round(x, 4) for x in samples]
         self.rss[name] = peak_rss_mib()
         self.emit(step=name, seconds=self.seconds[name], rss_mib=self.rss[name])
@@ -151,8 +157,13 @@ def _synthesize(case: Case, clock: _Clock) -> tuple[Any, Layout, list[Any]]:
     """Every rank's local plan (the GC is off: this is not part of any system's cost)."""
     torch.set_num_threads(1)
     shape, layout = MODELS[case.model], Layout(case.ranks, case.tp)
-    with clock.step("synthesize plans"):
-        plans = save_plans(shape, layout)
+    every = max(1, layout.ranks // 16)
+    with clock.step(SYNTHESIS):
+        plans = []
+        for rank in range(layout.ranks):
+            if rank and rank % every == 0:  # where it stopped, if memory runs out
+                clock.emit(phase=f"{SYNTHESIS}: {rank:,} of {layout.ranks:,} ranks")
+            plans.append(rank_save_plan(shape, layout, rank))
     # Untimed: move the plans to the oldest generation, as a long-lived
     # coordinator's unpickled plans would be, before the GC policy applies.
     gc.collect()
@@ -203,6 +214,7 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
         items, encoded = clock.timed("encode", finish)
         # Each rank builds its files' indexes in a real save: not the coordinator's time.
         clock.seconds["encode"] = max(0.0, clock.seconds["encode"] - encoded.index_seconds)
+        clock.cpu_seconds["encode"] = max(0.0, clock.cpu_seconds["encode"] - encoded.index_seconds)
         clock.seconds["file indexes"] = encoded.index_seconds
         interop = clock.timed("interop pickle", lambda: to_torch_metadata(metadata, items))
         partition = clock.timed(
@@ -242,8 +254,8 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
         (workdir / _TORCH_FILE).write_bytes(blob)
         out.update(global_bytes=len(blob), index_bytes=0,
                    files=len({info.relative_path for info in storage.values()}))
-    out.update(chunks=_chunks(metadata), seconds=clock.seconds, samples=clock.samples, rss_mib=clock.rss,
-               peak_rss_mib=peak_rss_mib())
+    out.update(chunks=_chunks(metadata), seconds=clock.seconds, cpu_seconds=clock.cpu_seconds,
+               samples=clock.samples, rss_mib=clock.rss, peak_rss_mib=peak_rss_mib())
     return out
 
 
@@ -328,7 +340,8 @@ def _load_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
         with _gc_policy(case), clock.step("index decode"):
             out["index_bytes_read"] = attach_dcp_ext_indexes(decoded, encoded, names)
         out["files_read"] = len(names)
-    out.update(seconds=clock.seconds, samples=clock.samples, rss_mib=clock.rss, peak_rss_mib=peak_rss_mib())
+    out.update(seconds=clock.seconds, cpu_seconds=clock.cpu_seconds, samples=clock.samples, rss_mib=clock.rss,
+               peak_rss_mib=peak_rss_mib())
     return out
 
 

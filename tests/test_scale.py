@@ -24,6 +24,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from bench import scale
+from bench.scale_report import render_table
 from bench.model_shapes import MODELS, ModelShape, Param
 from bench.scale_plans import Layout, dcp_ext_write_results, finish_plans, local_chunk, rank_save_plan, save_plans
 from dcp_ext.layout import MeshInfo
@@ -244,7 +245,7 @@ def test_cli_runs_both_systems_in_process(capsys: pytest.CaptureFixture[str]) ->
     assert [(r["system"], r["ranks"], r["status"]) for r in report["rows"]] == [
         ("dcp_ext", 2, "ok"), ("torch", 2, "ok"), ("dcp_ext", 4, "ok"), ("torch", 4, "ok")]
     table = capsys.readouterr().out
-    assert table.startswith("| model | ranks | chunks | system | plan s | encode s | metadata bytes |")
+    assert table.startswith("| model | ranks | chunks | system | plan s | plan CPU s | encode s | metadata bytes |")
     assert "| tiny | 4 | 273 | dcp_ext |" in table and "| tiny | 4 | 273 | torch |" in table
     # Every rank reads all 2 x 21 + 21 + 12 keys of its half: the resharded load plan is complete.
     assert report["rows"][2]["load"]["read_items"] == report["rows"][3]["load"]["read_items"] > 0
@@ -258,4 +259,4 @@ def test_forked_cases_report_time_and_memory_limits() -> None:
     assert slow["status"].startswith("save: did not finish in 0 s"), slow["status"]
     big = scale.run_case(case, scale.Limits(timeout=600, memory_bytes=1))
     assert big["status"].startswith("save: exceeded"), big["status"]
-    assert "did not finish" in scale.render_table([slow])
+    assert "did not finish" in render_table([slow])

@@ -21,7 +21,8 @@ Systems (the same save of the same state):
 * **key prefixes**: ``IOConfig(key_prefixes=256)``, each rank's file under
   its own prefix (``{tag}_partial/10/model_rank1.distcp``); rate limiting too;
 * with ``--reference``: **SageMaker names, no limiter**, the client as it was
-  before the limiter (retries with backoff only), for comparison.
+  before the limiter (no pacing; throttles retried like any transient error,
+  with exponential backoff and ``max_attempts``), for comparison.
 
 Per round one spawned world saves with every system, the order rotating from
 round to round, each save to its own root; every rank passes a barrier, then
@@ -43,6 +44,7 @@ Results: ``bench/results/s3-request-rate-<date>.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -94,16 +96,17 @@ def _leaves(model: Any) -> dict[str, Any]:
 
 
 def _unlimited() -> Any:
-    """Make S3 stores skip the rate limiter (the client before it); returns the undo."""
-    from dcp_ext.storage.s3 import S3Store
+    """Make S3 stores the client before the limiter: no pacing, and throttles
+    retried like any transient error (exponential backoff, ``max_attempts``).
+    Returns the undo."""
+    from unittest import mock
 
-    paced = S3Store.paced
-    S3Store.paced = lambda self, key, attempt: attempt  # type: ignore[method-assign]
+    from dcp_ext.storage import s3
 
-    def undo() -> None:
-        S3Store.paced = paced  # type: ignore[method-assign]
-
-    return undo
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(s3.S3Store, "paced", lambda self, key, attempt: attempt))
+    stack.enter_context(mock.patch.object(s3, "is_throttling_s3_error", lambda err: False))
+    return stack.close
 
 
 def _round(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -288,7 +291,7 @@ class _Bucket:
             return False
 
 
-def _simulate_once(shared: bool, limiter: dict[str, float] | None, clients: int = 4, requests: int = 65,
+def _simulate_once(shared: bool, limiter: dict[str, Any] | None, clients: int = 4, requests: int = 65,
                    threads: int = 8, latency: float = 0.015) -> dict[str, float]:
     from dcp_ext.storage._rate_limit import AdaptiveRateLimiter
 

@@ -31,7 +31,7 @@ from dcp_ext.storage._rate_limit import AdaptiveRateLimiter, PrefixRateLimiters,
 from dcp_ext.storage._s3_client import get_connection
 from dcp_ext.tiers import is_replicated_file
 from tests.support.backends import BUCKET
-from tests.support.fault_proxy import FaultProxy, PrefixRateLimit, prefix_of
+from tests.support.fault_proxy import FaultPlan, FaultProxy, PrefixRateLimit, prefix_of
 
 MiB = 1024 * 1024
 HEX_DIR = set("0123456789abcdef")
@@ -95,17 +95,19 @@ def _succeed(limiter: AdaptiveRateLimiter, clock: _Clock, count: int, every: flo
 
 def test_limiter_is_free_until_a_throttle_then_cuts_from_the_accepted_rate() -> None:
     clock = _Clock()
-    limiter = _limiter(clock)
+    limiter = _limiter(clock, growth=0.0)  # the rate stays where the cut put it
     _succeed(limiter, clock, 20, every=0.025)  # 40/s accepted over 0.5 s
     assert clock.slept == [] and limiter.stats().rate is None
     sent = limiter.acquire()
     assert limiter.throttled(sent)
     stats = limiter.stats()
     assert stats.rate == pytest.approx(0.7 * 40) and stats.cuts == 1 and stats.throttles == 1
-    # Requests now go 1/28 s apart, in turn: a reservation each.
+    # Requests now go 1/28 s apart, the first a full interval after the cut.
+    cut_at = clock.now
     first, second = limiter.acquire(), limiter.acquire()
-    assert second - first == pytest.approx(1 / 28)
-    assert clock.slept and sum(clock.slept) == pytest.approx(second - 1000.5, abs=1e-9)
+    assert first - cut_at == pytest.approx(1 / 28) and second - first == pytest.approx(1 / 28)
+    assert sum(clock.slept) == pytest.approx(second - cut_at)
+    assert limiter.stats().waited == pytest.approx(2 / 28)
 
 
 def test_limiter_cuts_once_per_event_and_only_downwards() -> None:
@@ -252,6 +254,29 @@ def test_a_store_paces_a_throttled_prefix(moto_server) -> None:
     assert sorted(store.list_tree()) == sorted(f"30/f{n}" for n in range(40))
     assert elapsed >= (40 - 2) / 20 * 0.9, elapsed  # nobody beats the rate
     assert throttled <= 0.3 * requests, (throttled, requests)
+
+
+def test_a_prefix_that_refuses_everything_fails_after_the_paced_attempts(moto_server) -> None:
+    """Throttles are retried, paced, up to PACED_ATTEMPTS_FACTOR x max_attempts
+    times (a shared prefix refuses a request several times in a row by bad
+    luck), then the save fails with S3's error and aborts its upload."""
+    from dcp_ext._retry import PACED_ATTEMPTS_FACTOR
+
+    def is_put(method: str, path: str) -> bool:
+        return method == "PUT"
+
+    config = IOConfig(retry=RetryPolicy(max_attempts=1, base_delay=0.01, max_delay=0.02))
+    with FaultProxy(moto_server.endpoint_url, FaultPlan(rate=1.0, faults=("slowdown",), match=is_put)) as proxy:
+        store = open_store(f"s3://{BUCKET}/refused-{uuid.uuid4().hex[:8]}/ck", config,
+                           moto_server.storage_options(endpoint_url=proxy.endpoint_url))
+        start = time.monotonic()
+        with pytest.raises(dcp_ext.StorageError, match="SlowDown"):
+            store.write_file("f", b"x")
+        elapsed = time.monotonic() - start
+        puts = [entry for entry in proxy.log if entry.method == "PUT"]
+    assert len(puts) == 1 * PACED_ATTEMPTS_FACTOR
+    assert elapsed < 10, elapsed
+    assert store.rate_limit_stats()[store.prefix].cuts >= 2  # type: ignore[attr-defined]
 
 
 # -- stores with sub-directories -------------------------------------------------------

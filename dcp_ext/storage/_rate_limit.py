@@ -38,17 +38,18 @@ token bucket whose rate a throttle cuts and success raises again):
 clients of 8 threads, 65 requests of 15 ms each, retried with the default
 backoff, against 100 requests/s token buckets), five runs each:
 
-* one bucket shared (2.6 s at the full rate): 3.0-3.4 s and 20-24 % of
-  requests throttled; without a limiter 3.8-6.2 s and 57-60 % throttled (and
-  in a real save the bounded retry policy gives up on some request);
-  cutting from the accepted rate alone 3.4-12.2 s (a starved client crawls),
-  from the sent rate alone 3.0-4.7 s and 44-48 % throttled;
-* a bucket each (0.65 s): 0.60-0.61 s and 8.5-10 % throttled, all in the
-  first burst; without a limiter 1.0-1.3 s and 37 %.
+* one bucket shared (2.6 s at the full rate): 2.7-3.2 s and 9-17 % of
+  requests throttled; without a limiter 3.9-6.0 s and 57-60 % throttled (and
+  in a real save the bounded retry policy gives up on some request); cutting
+  from the rate sent alone 2.6-3.3 s but 32-39 % throttled; from the
+  accepted rate alone 2.6-3.4 s and 11-14 % (over ten runs: median 3.35 s
+  against 2.86 s, the starved client's crawl back);
+* a bucket each (0.65 s): 0.62-0.68 s and 8.5-9 % throttled, all in the
+  first burst; without a limiter 0.7-1.2 s and 36-38 %.
 
-Pacing is a reservation per request (the next free send time advances by
-``1 / rate``), so the threads waiting on one limiter go out in turn and never
-in a burst. :class:`PrefixRateLimiters` holds the limiters of one store, keyed
+Paced requests go ``1 / rate`` apart, at the rate of the moment they go (a
+request that waited through a cut does not go at the old pace), never in a
+burst. :class:`PrefixRateLimiters` holds the limiters of one store, keyed
 by prefix (the key up to its last ``/``): a throttled prefix does not slow the
 others.
 """
@@ -137,7 +138,7 @@ class AdaptiveRateLimiter:
         self._cut_rate: float | None = None  # rate set by the last cut (None: never throttled)
         self._slope = 0.0  # growth of the rate after the cut, per second
         self._cut_at = -math.inf
-        self._next = -math.inf  # earliest send time of the next request
+        self._last = -math.inf  # when the last request went
         self._sent: deque[float] = deque()  # send times within the window
         self._accepted: deque[float] = deque()  # success times within the window
         self._requests = self._throttles = self._cuts = 0
@@ -157,21 +158,26 @@ class AdaptiveRateLimiter:
 
     def acquire(self) -> float:
         """Wait until a request may go; returns its send time (pass it on)."""
-        with self._lock:
-            now = self._clock()
-            if self._first is None:
-                self._first = now
-            self._requests += 1
-            rate = self._rate(now)
-            start = now if rate is None else max(now, self._next)
-            if rate is not None:
-                self._next = start + 1.0 / rate
-            self._sent.append(start)
-            self._trim(now)
-            self._waited += start - now
-        if start > now:
-            self._sleep(start - now)
-        return start
+        asked = None
+        while True:
+            with self._lock:
+                now = self._clock()
+                if asked is None:
+                    asked = now
+                    self._requests += 1
+                    if self._first is None:
+                        self._first = now
+                rate = self._rate(now)
+                # The spacing is that of the rate now, not of when the request
+                # asked: requests queued before a cut must not go at the old pace.
+                wait = 0.0 if rate is None else self._last + 1.0 / rate - now
+                if wait <= 0:
+                    self._last = now
+                    self._sent.append(now)
+                    self._trim(now)
+                    self._waited += now - asked
+                    return now
+            self._sleep(wait)
 
     def succeeded(self, sent: float) -> None:
         """A request sent at ``sent`` got through."""
@@ -197,7 +203,7 @@ class AdaptiveRateLimiter:
             first = current is None
             self._cut_rate, self._slope = target, self.growth * max(basis, self.min_rate)
             self._cut_at = now
-            self._next = max(self._next, now + 1.0 / self._cut_rate)
+            self._last = max(self._last, now)  # the next request waits a full interval
             self._cuts += 1
             rate = self._cut_rate
         if first:

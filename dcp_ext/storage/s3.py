@@ -548,7 +548,8 @@ class S3Store(Store):
 
         where = self.describe(name)
         try:
-            return retry_sync(attempt, self.config.retry, is_transient_s3_error, f"reading {where}")
+            return retry_sync(self.paced(key, attempt), self.config.retry, is_transient_s3_error, f"reading {where}",
+                              is_throttling_s3_error)
         except Exception as err:
             translated = translate_s3_error(err, where, "reading")
             if isinstance(translated, CheckpointCorruptError):  # 416: range starts past the end

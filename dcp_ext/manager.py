@@ -385,7 +385,7 @@ class CheckpointManager:
         overwrite: bool,
     ) -> AsyncSaveHandle | None:
         state = _app_state(model, optimizer)
-        planner = LayoutSavePlanner(self.mesh, self.group.global_ranks())
+        planner = LayoutSavePlanner(self.mesh, self.group.global_ranks(), key_prefixes=self.config.key_prefixes)
         # Both steps are picklable objects, not closures: a process-based
         # upload runs them in DCP's checkpoint process.
         writer = CheckpointWriter(
@@ -442,7 +442,7 @@ class CheckpointManager:
         planner = LayoutSavePlanner(
             self.mesh, self.group.global_ranks(), nodes=[nodes.node_of(r) for r in range(nodes.world_size)],
             partners=[nodes.partner_of(n) for n in range(nodes.node_count)] if self.replicas else (),
-            replicated_apart=True,
+            replicated_apart=True, key_prefixes=self.config.key_prefixes,
         )
         writer = CheckpointWriter(
             self.local.partial_url(tag), overwrite=overwrite, config=self.config,

@@ -182,7 +182,7 @@ class CheckpointRoot:
         for name in _OWN_FILES:
             store.delete(name)
         crash_point("mid_retention")
-        for name in store.list_names():
+        for name in store.list_tree():  # data files under key prefixes too
             if name.endswith(DATA_SUFFIX) or TMP_MARK in name or name == save_lock.LOCK_FILE:
                 store.delete(name)
         store.remove_root_if_empty()

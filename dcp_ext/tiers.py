@@ -270,7 +270,7 @@ class LocalTier:
                 partition = Partition.from_json(store.read_file(PARTITION_FILE), store.describe(PARTITION_FILE))
             except DcpExtError:
                 continue  # not committed here, or unreadable: not a source
-            files = {n: store.size(n) for n in store.list_names() if n.endswith(DATA_SUFFIX)}
+            files = {n: store.size(n) for n in store.list_tree() if n.endswith(DATA_SUFFIX)}
             rank_files = tuple(tuple(r.files) for r in sorted(partition.ranks, key=lambda r: r.rank))
             if len(rank_files) != partition.world_size:
                 continue
@@ -299,7 +299,8 @@ def _tree_bytes(path: str) -> int:
 
 def is_replicated_file(name: str) -> bool:
     """Whether data file ``name`` holds the replicated items of a tiered save."""
-    return name.startswith(f"{REPLICATED_KIND}_") and name.endswith(DATA_SUFFIX)
+    base = name.rpartition("/")[2]  # under a key prefix (IOConfig.key_prefixes) or not
+    return base.startswith(f"{REPLICATED_KIND}_") and base.endswith(DATA_SUFFIX)
 
 
 def write_commit_files(store: Store, files: dict[str, bytes]) -> None:

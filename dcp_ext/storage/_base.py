@@ -310,6 +310,11 @@ class Store(ABC):
     def list_dirs(self) -> list[str]:
         """Names of the directories (prefixes) directly under the root."""
 
+    def list_tree(self) -> list[str]:
+        """Names of every file under the root, those in sub-directories included
+        (``30/model_rank3.distcp``, see ``IOConfig.key_prefixes``)."""
+        return self.list_names()
+
     def read_head(self, name: str, length: int) -> bytes:
         """Up to ``length`` bytes from the start of file ``name``."""
         data = self.read_range(name, 0, length, allow_short=True)

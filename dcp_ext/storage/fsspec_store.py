@@ -261,6 +261,16 @@ class FsspecStore(Store):
                 names.append(rel)
         return sorted(names)
 
+    def list_tree(self) -> list[str]:
+        try:
+            found = self.fs.find(self.root)
+        except FileNotFoundError:
+            return []
+        except Exception as err:
+            raise _translate(err, self.url, "listing") from err
+        prefix = self.root + "/"
+        return sorted(path[len(prefix):] for path in map(str, found) if path.startswith(prefix))
+
     def list_dirs(self) -> list[str]:
         try:
             entries = self.fs.ls(self.root, detail=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import sys
 import uuid
 from collections.abc import Callable, Sequence
@@ -44,6 +45,8 @@ from ..errors import (
 from ._base import TMP_MARK, ObjectWriter, Store, request_views, scatter
 
 __all__ = ["LocalStore"]
+
+_KEY_PREFIX_DIR = re.compile(r"^[0-9a-f]{1,8}$")  # names layout.key_prefix gives
 
 # Writes smaller than this are gathered into one buffer (headers, small
 # tensors); larger ones go straight from tensor memory to the kernel.
@@ -247,6 +250,8 @@ class _LocalWriter(ObjectWriter):
         super().__init__(name)
         self._store = store
         self._final = store.root / name
+        if "/" in name:  # under a key prefix (IOConfig.key_prefixes)
+            store.make_parent(name)
         self._tmp = self._final.with_name(
             f"{self._final.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
         )
@@ -338,6 +343,13 @@ class LocalStore(Store):
 
     def _path(self, name: str) -> Path:
         return self.root / name
+
+    def make_parent(self, name: str) -> None:
+        """Create the sub-directory file ``name`` goes in."""
+        try:
+            self._path(name).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise translate_os_error(err, self.describe(name), "creating directory") from err
 
     # -- small files --------------------------------------------------------
     def read_file(self, name: str) -> bytes:
@@ -502,6 +514,17 @@ class LocalStore(Store):
         except OSError as err:
             raise translate_os_error(err, self.url, "listing") from err
 
+    def list_tree(self) -> list[str]:
+        def fail(err: OSError) -> None:
+            if not isinstance(err, FileNotFoundError):
+                raise translate_os_error(err, self.url, "listing") from err
+
+        names = []
+        for folder, _, files in os.walk(self.root, onerror=fail):
+            relative = os.path.relpath(folder, self.root)
+            names += [name if relative == "." else f"{relative}/{name}".replace(os.sep, "/") for name in files]
+        return sorted(names)
+
     def _read_range_short(self, name: str, offset: int, length: int) -> bytes:
         try:
             fd = os.open(self._path(name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -519,10 +542,15 @@ class LocalStore(Store):
             raise translate_os_error(err, self.describe(name), "checking") from err
 
     def remove_root_if_empty(self) -> None:
-        try:
-            self.root.rmdir()
-        except OSError:
-            pass  # not empty (foreign files stay), or already gone
+        # Empty key-prefix sub-directories (hex names: layout.key_prefix) whose
+        # files were deleted first; any other directory is not ours to remove.
+        for folder, _, _ in os.walk(self.root, topdown=False):
+            if folder != str(self.root) and not _KEY_PREFIX_DIR.match(os.path.basename(folder)):
+                continue
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass  # not empty (foreign files stay), or already gone
 
     def root_exists(self) -> bool:
         if self.root.is_dir():

@@ -135,6 +135,9 @@ class TieredStore(Store):
     def list_dirs(self) -> list[str]:
         return sorted({n for _, store in self.sources for n in store.list_dirs()})
 
+    def list_tree(self) -> list[str]:
+        return sorted({n for _, store in self.sources for n in store.list_tree()})
+
     def root_exists(self) -> bool:
         return any(store.root_exists() for _, store in self.sources)
 

@@ -216,8 +216,11 @@ def serving(kind: str, directory: str | os.PathLike[str], bucket: str | None = N
 _MOTO_RUNNING_RE = re.compile(r"Running on https?://[^\s:]+:(\d+)")
 
 
-def start_moto(tmp_dir: str | os.PathLike[str] | None = None) -> S3Server:
+def start_moto(tmp_dir: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None) -> S3Server:
     """Start ``python -m moto.server`` on 127.0.0.1 and a kernel-chosen port.
+
+    ``env`` adds variables to the server's environment (e.g. moto's
+    ``S3_UPLOAD_PART_MIN_SIZE``, to accept parts below S3's 5 MiB).
 
     moto (werkzeug) accepts ``-p 0``; the real port is read back from its
     ``Running on http://127.0.0.1:PORT`` log line. The log (and moto's spooled
@@ -251,6 +254,7 @@ def start_moto(tmp_dir: str | os.PathLike[str] | None = None) -> S3Server:
         AWS_EC2_METADATA_DISABLED="true",
         PYTHONUNBUFFERED="1",
         PYTHONDONTWRITEBYTECODE="1",
+        **(env or {}),
     )
     cmd = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", "0"]
 

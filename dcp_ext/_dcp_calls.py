@@ -82,12 +82,15 @@ def run_load(
 
     if reader.process_group is None:
         reader.process_group = process_group  # read-once exchanges over the load's group
+    reader.metadata_group = (process_group,)  # every rank reads it here: the coordinator reads for all
     try:
         with gc_paused(), torch_notices_quieted():
             dcp_load(state, storage_reader=reader, planner=planner, process_group=process_group)
     except BaseException as exc:
         error = dcp_failure(exc, reader.last_error)
         raise error from error.__cause__
+    finally:
+        reader.metadata_group = None
 
 
 class AsyncSaveHandle(concurrent.futures.Future):  # type: ignore[type-arg]

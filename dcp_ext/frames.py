@@ -143,6 +143,8 @@ def frame_table(item: StoredItem, where: str) -> FrameTable:
     Raises:
         UnsupportedCodecError: A transform this dcp_ext cannot decode.
     """
+    if item.indexed:
+        raise RuntimeError(f"{where}: the frame index of this file was not read before its frames")
     if item.transforms:
         check_descriptors(item.transforms, where)
     return FrameTable(item)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from .metadata.chunk_table import ChunkLocations
+from .metadata.frame_index import attach_frame_indexes
 from .metadata import METADATA_FILE, DecodedMetadata, StoredItem, chunk_shapes, decode_metadata
 from ._ranges import Piece, plan_requests
 from ._torch_format import torch_save_envelope
@@ -127,6 +129,37 @@ def read_own_metadata(
     return decode_metadata(raw, store.describe(METADATA_FILE))
 
 
+def _attach_indexes(
+    store: Store,
+    decoded: DecodedMetadata,
+    readable: dict[str, list[tuple[MetadataIndex, StoredItem]]],
+    truncated: set[str],
+    problems: list[Problem],
+) -> None:
+    """Version 3: give the readable files' items their frame tables from each
+    file's frame index; a damaged index is a problem of its whole file."""
+    locations = decoded.metadata.storage_data
+    if not isinstance(locations, ChunkLocations):
+        return
+    for name, entries in readable.items():
+        ref = decoded.frame_indexes.get(name)
+        if name in truncated:
+            readable[name] = []  # its frame index is gone with its end: the truncation is the problem
+            continue
+        try:
+            attach_frame_indexes(
+                locations, [name], decoded.frame_indexes,
+                lambda n, r: store.read_range(n, r.at, r.length, allow_short=True), store.describe,
+            )
+        except DcpExtError as err:
+            start, end = (ref.at, ref.at + ref.length) if ref is not None else (0, 0)
+            problems.append(Problem(name, start, end, tuple(_key(i) for i, _ in entries),
+                                    f"its frame index cannot be used: {err}"))
+            readable[name] = []
+            continue
+        readable[name] = [(index, locations[index]) for index, _ in entries]
+
+
 def verify(
     path: str | os.PathLike[str],
     *,
@@ -172,6 +205,7 @@ def verify(
 
     # Files that are missing or shorter than recorded.
     readable: dict[str, list[tuple[MetadataIndex, StoredItem]]] = {}
+    truncated: set[str] = set()
     absent: list[str] = []
     for name in sorted(decoded.files):
         entries = sorted(by_file.get(name, []), key=lambda e: e[1].offset)
@@ -195,8 +229,10 @@ def verify(
                 )
             )
             entries = [(i, it) for i, it in entries if it.offset + it.length <= actual]
+            truncated.add(name)
         readable[name] = entries
 
+    _attach_indexes(store, decoded, readable, truncated, problems)
     total = sum(it.length for entries in readable.values() for _, it in entries)
     done = frames = unchecked = 0
     # (key, item, region, buffer, check): a region is a frame, or the

@@ -328,10 +328,18 @@ class Partition:
     partners: tuple[int, ...] = ()
 
     def to_json(self) -> bytes:
+        """Version 2: each distinct list of keys once (``key_sets``), which
+        ranks name by position; FSDP's ranks all write the same keys."""
+        key_sets: dict[tuple[str, ...], int] = {}
+        ranks = [
+            {"rank": r.rank, "coords": r.coords, "files": list(r.files),
+             "keys": {k: key_sets.setdefault(v, len(key_sets)) for k, v in r.keys.items()}}
+            for r in self.ranks
+        ]
         return json.dumps(
             {
                 "format": "dcp_ext.partition",
-                "version": 1,
+                "version": 2,
                 "world_size": self.world_size,
                 "mesh": None
                 if self.mesh is None
@@ -340,11 +348,8 @@ class Partition:
                     "dim_names": list(self.mesh.dim_names),
                     "ranks": list(self.mesh.ranks),
                 },
-                "ranks": [
-                    {"rank": r.rank, "coords": r.coords, "files": list(r.files),
-                     "keys": {k: list(v) for k, v in r.keys.items()}}
-                    for r in self.ranks
-                ],
+                "key_sets": [list(keys) for keys in key_sets],
+                "ranks": ranks,
                 **({"nodes": list(self.nodes)} if self.nodes else {}),
                 **({"partners": list(self.partners)} if self.partners else {}),
             },
@@ -360,8 +365,13 @@ class Partition:
         """
         try:
             doc = json.loads(data)
-            if doc.get("format") != "dcp_ext.partition" or doc.get("version") != 1:
-                raise ValueError("not a dcp_ext partition record (version 1)")
+            if doc.get("format") != "dcp_ext.partition" or doc.get("version") not in (1, 2):
+                raise ValueError("not a dcp_ext partition record (version 1 or 2)")
+            key_sets = [tuple(str(x) for x in keys) for keys in doc.get("key_sets", ())]
+
+            def keys_of(value: Any) -> tuple[str, ...]:
+                return key_sets[value] if isinstance(value, int) else tuple(str(x) for x in value)
+
             mesh_doc = doc["mesh"]
             mesh = None if mesh_doc is None else MeshInfo(
                 tuple(int(s) for s in mesh_doc["shape"]),
@@ -372,14 +382,14 @@ class Partition:
                 RankPartition(
                     int(r["rank"]), {str(k): int(v) for k, v in r["coords"].items()},
                     tuple(str(f) for f in r["files"]),
-                    {str(k): tuple(str(x) for x in v) for k, v in r["keys"].items()},
+                    {str(k): keys_of(v) for k, v in r["keys"].items()},
                 )
                 for r in doc["ranks"]
             )
             nodes = tuple(int(n) for n in doc.get("nodes", ()))
             partners = tuple(int(n) for n in doc.get("partners", ()))
             return cls(int(doc["world_size"]), mesh, ranks, nodes, partners)
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
             raise CheckpointCorruptError(f"{where} is not a valid partition record: {err}", where) from err
 
 

@@ -45,6 +45,9 @@ from .metadata import (
     load_torch_metadata,
     validate_file_name,
 )
+from .metadata.chunk_table import ChunkLocations
+from .metadata.document import FrameIndexRef
+from .metadata.frame_index import attach_frame_indexes
 from ._compat import _StorageInfo, narrow_tensor_by_index
 from ._exchange import Exchange, Incoming, as_bytes, bytes_incoming, host_identity, shared_memory_usable
 from ._gc import gc_paused
@@ -184,6 +187,13 @@ class CheckpointReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._frame_indexes: dict[str, FrameIndexRef] = {}
+        #: Set by dcp_ext's loads, which call ``read_metadata`` on every rank of
+        #: this group (a 1-tuple; ``(None,)`` is the default group): the
+        #: coordinator then reads the document once for all.
+        self.metadata_group: tuple[Any] | None = None
+        #: How many times this reader read the metadata document from storage.
+        self.metadata_reads = 0
         self._store: Store | None = store
         self._filesystem: Any = None
         self.last_error: BaseException | None = None
@@ -219,6 +229,7 @@ class CheckpointReader(StorageReader):
                 self._store = None
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
+        self._frame_indexes = {}
         self._chunks = {}
         self._tables = {}
         self._frames = FrameReader()
@@ -247,12 +258,17 @@ class CheckpointReader(StorageReader):
 
     def _read_metadata(self) -> Metadata:
         store = self.store
-        try:
-            raw = store.read_file(METADATA_FILE)
-        except CheckpointNotFoundError:
-            pass
-        else:
-            return decode_metadata(raw, store.describe(METADATA_FILE)).metadata
+        raw = self._shared_metadata_bytes()
+        if raw is None:
+            try:
+                raw = store.read_file(METADATA_FILE)
+                self.metadata_reads += 1
+            except CheckpointNotFoundError:
+                pass
+        if raw is not None:
+            decoded = decode_metadata(raw, store.describe(METADATA_FILE))
+            self._frame_indexes = decoded.frame_indexes
+            return decoded.metadata
         try:
             raw = store.read_file(TORCH_METADATA_FILE)
         except CheckpointNotFoundError:
@@ -270,6 +286,27 @@ class CheckpointReader(StorageReader):
                 )
             validate_file_name(info.relative_path, where)
         return metadata
+
+    def _shared_metadata_bytes(self) -> bytes | None:
+        """(all ranks of a load that shares metadata) The coordinator reads the
+        metadata document once and broadcasts its bytes, so N ranks do not each
+        GET it. ``None`` when not sharing, or when the coordinator found no
+        document or could not read it (each rank then reads, and reports, itself).
+        """
+        if self.metadata_group is None or not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.metadata_group[0]
+        if dist.get_world_size(group) < 2:
+            return None
+        box: list[bytes | None] = [None]
+        if dist.get_rank(group) == 0:
+            try:
+                box[0] = self.store.read_file(METADATA_FILE)
+                self.metadata_reads += 1
+            except DcpExtError:
+                box[0] = None
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        return box[0]
 
     def missing_metadata_error(self) -> DcpExtError:
         """The error for a path without metadata: nothing there, an
@@ -476,6 +513,8 @@ class CheckpointReader(StorageReader):
         budget = self.config.read_buffer_bytes
         batch: list[_Pending] = []
         batch_scratch = 0
+        chosen = range(len(plan.items)) if positions is None else positions
+        self._attach_frame_indexes([plan.items[p] for p in chosen])
         self._frames.work = FrameWork(usable_cores())
         try:
             for position in range(len(plan.items)) if positions is None else positions:
@@ -520,9 +559,39 @@ class CheckpointReader(StorageReader):
         for pending in batch:
             pending.finish()
 
+    def _attach_frame_indexes(self, read_items: Sequence[ReadItem]) -> None:
+        """Read the frame indexes of the files these items are in (version-3
+        metadata), several at once; a damaged copy is read again from the
+        next source of a store that has one (TieredStore)."""
+        locations = self.storage_data
+        if not isinstance(locations, ChunkLocations):
+            return
+        names = set()
+        for read_item in read_items:
+            info = locations.get(read_item.storage_index)
+            if info is not None and info.indexed:
+                names.add(info.relative_path)
+        store = self.store
+        while True:
+            try:
+                attach_frame_indexes(
+                    locations, names, self._frame_indexes,
+                    lambda name, ref: store.read_range(name, ref.at, ref.length, allow_short=True),
+                    store.describe, self.config.max_concurrency,
+                )
+                return
+            except CheckpointCorruptError as err:
+                fall_back = getattr(store, "fall_back", None)
+                if fall_back is None or not fall_back(err):
+                    raise
+
     def _info(self, read_item: ReadItem) -> Any:
         try:
-            return self.storage_data[read_item.storage_index]
+            info = self.storage_data[read_item.storage_index]
+            if isinstance(info, StoredItem) and info.indexed:
+                self._attach_frame_indexes([read_item])
+                info = self.storage_data[read_item.storage_index]
+            return info
         except KeyError:
             raise CheckpointCorruptError(
                 f"checkpoint {self.path} has no stored data for key "
@@ -645,7 +714,7 @@ class CheckpointReader(StorageReader):
         (:meth:`dcp_ext.frames.FrameReader.pieces`).
         """
         name = info.relative_path
-        verify = self.config.verify_checksums and bool(info.checksums)
+        verify = self.config.verify_checksums and (bool(info.checksums) or info.indexed)
         if not info.transforms and (not verify or not info.frame_size):
             base = info.offset + info.data_offset
             return _Pending([Piece(name, base + start, dest) for start, dest in runs], scratch_bytes, finish)

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -48,6 +49,8 @@ from .metadata import (
     encode_metadata,
     to_torch_metadata,
 )
+from .metadata.document import FrameIndexRef
+from .metadata.frame_index import encode_frame_index
 from ._failpoints import crash_point
 from ._memory import release_free_memory
 from ._torch_format import DTYPES, tensor_bytes, torch_save_envelope
@@ -55,7 +58,7 @@ from .codecs import Codec, resolve_codec
 from .config import IOConfig
 from .frames import FrameEncoder
 from .errors import CheckpointExistsError, DcpExtError, PostCommitError
-from .layout import DATA_SUFFIX, FileAssignment, item_nbytes
+from .layout import DATA_SUFFIX, FileAssignment, item_nbytes, spread_name
 from .save_lock import SaveLock
 from .staging import copy_state
 from .storage import TMP_MARK, Store, normalize_path, open_store
@@ -243,7 +246,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         return [
             plan
             if isinstance(plan.storage_data, FileAssignment)
-            else dataclasses.replace(plan, storage_data=FileAssignment(prefix=f"__{rank}_"))
+            else dataclasses.replace(
+                plan, storage_data=FileAssignment(prefix=spread_name(f"__{rank}_", rank, self.config.key_prefixes))
+            )
             for rank, plan in enumerate(plans)
         ]
 
@@ -316,6 +321,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                         frames.add(raw, keep, dtype=keep.dtype, envelope=envelope)
                     del data, keep, raw
                 stored = frames.finish()
+            if self.config.metadata_version >= 3:
+                stored = _append_frame_index(writer, stored)
             writer.commit()
         self._written.append(name)
         return [
@@ -338,11 +345,14 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         if self.before_commit is not None:
             self.before_commit(store)
         # Torch's pickle first, for torch's readers (they cannot decode our
-        # compressed frames, so compressed checkpoints get none); our JSON last:
-        # the commit.
-        if not any(item.transforms for item in items.values()):
+        # compressed frames, so compressed checkpoints get none, nor do large
+        # ones: see IOConfig.torch_metadata_chunks); our JSON last: the commit.
+        if len(items) <= self.config.torch_metadata_chunks and not any(item.transforms for item in items.values()):
             store.write_file(TORCH_METADATA_FILE, to_torch_metadata(metadata, items))
-        store.write_file(METADATA_FILE, encode_metadata(metadata, items, world_size=len(results)))
+        store.write_file(
+            METADATA_FILE,
+            encode_metadata(metadata, items, world_size=len(results), version=self.config.metadata_version),
+        )
         self._release_lock()
         self._remove_leftovers({item.relative_path for item in items.values()})
         if self.after_commit is not None:
@@ -356,7 +366,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     def _remove_leftovers(self, keep: set[str]) -> None:
         store = self.store
         try:
-            for name in store.list_names():
+            for name in store.list_tree():  # data files under key prefixes too
                 stale_data = name.endswith(DATA_SUFFIX) and name not in keep
                 if stale_data or TMP_MARK in name:
                     store.delete(name)
@@ -401,6 +411,18 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _append_frame_index(writer: Any, stored: list[StoredItem]) -> list[StoredItem]:
+    """Write the file's frame index at its end; the items without their frame
+    tables (they travel to the coordinator, which needs only where items lie)."""
+    index = encode_frame_index(stored)
+    ref = FrameIndexRef(writer.position, len(index), xxhash.xxh3_64_intdigest(index))
+    writer.write(index)
+    return [
+        dataclasses.replace(item, frame_lengths=(), checksums=(), indexed=True, frame_index=ref)
+        for item in stored
+    ]
 
 
 def _tensor_for_storage(data: Any, item: WriteItem) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dcp_ext.codecs import decode_frame, encode_frame
 from tests.support.compare import assert_same_state
 from tests.support.damage_trials import flip_byte
 from tests.support.hostile import code_running_pickle
-from tests.support.metadata_edit import sign
+from tests.support.metadata_edit import sign, stored_items
 from tests.support.states import zeros_like_state
 
 FRAME = 64 * 1024
@@ -59,8 +59,8 @@ def test_round_trip_every_codec_and_dtype(backend, codec: str) -> None:
     reader = dcp_ext.CheckpointReader(url, storage_options=options)
     dcp.load(out, storage_reader=reader, planner=dcp_ext.LayoutLoadPlanner())
     assert_same_state(state, out)
-    items = json.loads(reader.store.read_file("dcp_ext.metadata.json"))["items"]
-    codecs = {i["fqn"]: i.get("codec") for i in items}
+    items = stored_items(reader.store)
+    codecs = {fqn: i["codec"] for fqn, i in items.items()}
     if codec == "none":
         assert set(codecs.values()) == {None}
         assert reader.frame_stats.decoded == 0
@@ -72,7 +72,7 @@ def test_round_trip_every_codec_and_dtype(backend, codec: str) -> None:
     else:
         assert codecs["bf16"] == ["zstd/1"]
     # Every frame of every non-empty item was checksummed and verified on load.
-    frames = sum(len(i["xxh3"]) for i in items)
+    frames = sum(len(i["xxh3"]) for i in items.values())
     assert frames == reader.frame_stats.verified == 19
     if codec != "none":
         assert reader.frame_stats.decoded == frames
@@ -120,7 +120,8 @@ def test_mixed_codecs_and_unknown_descriptor(tmp_path: Path) -> None:
     merged into one by a user codec) loads; an unknown descriptor is a clear
     error naming it."""
     state = _state()
-    dcp_ext.save(state, tmp_path / "mixed", compression=_MixedCodec(), frame_size=FRAME)
+    # Version 2, whose items this test edits in the JSON document.
+    dcp_ext.save(state, tmp_path / "mixed", compression=_MixedCodec(), frame_size=FRAME, config=dcp_ext.IOConfig(metadata_version=2))
     doc = json.loads((tmp_path / "mixed" / "dcp_ext.metadata.json").read_text())
     codecs = {i["fqn"]: i.get("codec") for i in doc["items"]}
     assert codecs["fp32"] == ["bytegroup.4/1", "zstd/1"] and codecs["bf16"] is None
@@ -165,8 +166,7 @@ def test_damage_is_detected_and_named(tmp_path: Path, codec: str) -> None:
     dcp_ext.save(state, url, compression=CODECS[codec], frame_size=FRAME)
     report = dcp_ext.verify(url)
     assert report.ok and report.frames == 19 and report.unchecked_items == 0, report
-    doc = json.loads((url / "dcp_ext.metadata.json").read_text())
-    items = {i["fqn"]: i for i in doc["items"]}
+    items = stored_items(url)
     data = url / "__0_0.distcp"
 
     # Damage frame 2 of bf16 and frame 1 of int64.
@@ -218,7 +218,7 @@ def test_garbled_metadata_and_malicious_pickle(tmp_path: Path) -> None:
     """Garbled JSON metadata is a clear error; a checkpoint whose torch pickle
     would run code is refused by load and verify, and the code never runs."""
     url = tmp_path / "ck"
-    dcp_ext.save({"w": torch.ones(4)}, url, compression="zstd")
+    dcp_ext.save({"w": torch.ones(4)}, url, compression="zstd", config=dcp_ext.IOConfig(metadata_version=2))  # edits v2 fields
     meta = url / "dcp_ext.metadata.json"
     doc = json.loads(meta.read_text())
     doc["items"][0]["xxh3"] = ["zz"]

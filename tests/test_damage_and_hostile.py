@@ -4,7 +4,6 @@ outside the root."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import dcp_ext
 from tests.support.compare import assert_same_state
 from tests.support.damage_trials import flip_byte, make_root, model, run_trials
 from tests.support.hostile import code_running_pickle
-from tests.support.metadata_edit import edit_metadata
+from tests.support.metadata_edit import edit_metadata, stored_items
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
@@ -36,8 +35,7 @@ def test_envelope_damage_is_found_by_verify(tmp_path: Path) -> None:
     root = tmp_path / "root"
     make_root(root, None)
     tag_dir = root / "step2_partial"
-    doc = json.loads((tag_dir / "dcp_ext.metadata.json").read_text())
-    item = next(i for i in doc["items"] if i["data_at"] > 0)
+    item = next(i for i in stored_items(tag_dir).values() if i["data_at"] > 0)
     data = tag_dir / item["file"]
     flip_byte(data, item["at"] + 40, 0x55)
     target = model(99)
@@ -74,7 +72,8 @@ def test_hostile_tags_and_payloads(tmp_path: Path) -> None:
     # outside the file, or a huge non-tensor value: refused before any read
     # or allocation of the claimed size.
     ck = tmp_path / "ck"
-    dcp_ext.save({"w": torch.ones(8), "extra": {"step": 3}}, ck)
+    # Version 2, whose JSON items this edits (version 3's table: test_metadata_v3.py).
+    dcp_ext.save({"w": torch.ones(8), "extra": {"step": 3}}, ck, config=dcp_ext.IOConfig(metadata_version=2))
     meta = ck / "dcp_ext.metadata.json"
     original = meta.read_bytes()
 

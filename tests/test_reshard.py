@@ -69,6 +69,11 @@ def test_resharding_matrix(tmp_path: Path) -> None:
     for rank, report in enumerate(reports[4]):
         assert report["files_read"] == [f"model_rank{rank}.distcp"]
         assert report["fast_path"] == report["tensors"] == 8
+        assert report["metadata_reads"] == (1 if rank == 0 else 0)
+        assert report["indexes_read"] == [f"model_rank{rank}.distcp"]
+    for world in (2, 3):  # 4 -> M through CheckpointManager.resume: one metadata read per load
+        for mode in ("big4/False", "big4/True"):
+            assert [r[mode]["metadata_reads"] for r in reports[world]] == [1] + [0] * (world - 1)
 
 
 def _model(width: int = 8) -> torch.nn.Module:
@@ -123,7 +128,7 @@ def test_key_shape_dtype_and_layout_errors(tmp_path: Path) -> None:
 
     # A checkpoint whose chunks do not cover the requested tensor.
     sharded = tmp_path / "holes"
-    dcp_ext.save_checkpoint(sharded, "s", model)
+    dcp_ext.save_checkpoint(sharded, "s", model, config=dcp_ext.IOConfig(metadata_version=2))  # edits v2 items
     meta_path = sharded / "s_partial" / "dcp_ext.metadata.json"
     doc = json.loads(meta_path.read_text())
     doc["state_dict"]["model.0.weight"]["chunks"] = [{"offsets": [0, 0], "sizes": [16, 8]}]

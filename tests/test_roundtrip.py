@@ -14,6 +14,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 
 import dcp_ext
 from dcp_ext import CheckpointReader, CheckpointWriter
+from tests.support.metadata_edit import stored_items
 from tests.support.backends import Backend
 from tests.support.compare import assert_same_state
 from tests.support.hostile import code_running_pickle
@@ -159,16 +160,16 @@ def test_metadata_is_json_and_written_last(tmp_path) -> None:
     url = tmp_path / "ck"
     dcp.save({"w": torch.arange(10.0)}, storage_writer=CheckpointWriter(url))
     doc = json.loads((url / "dcp_ext.metadata.json").read_text())
-    assert doc["format"] == "dcp_ext" and doc["version"] == 2
+    assert doc["format"] == "dcp_ext" and doc["version"] == 3
     assert doc["state_dict"]["w"] == {
-        "kind": "tensor", "dtype": "float32", "size": [10], "requires_grad": False,
-        "chunks": [{"offsets": [0], "sizes": [10]}],
+        "kind": "tensor", "dtype": "float32", "size": [10], "requires_grad": False, "table": [0, 1],
     }
-    item = doc["items"][0]
+    item = stored_items(url)["w"]
     raw = (url / item["file"]).read_bytes()
     start = item["at"] + item["data_at"]
     assert raw[start : start + item["data_length"]] == torch.arange(10.0).numpy().tobytes()
-    assert doc["files"][item["file"]] == len(raw)
+    ((name, size, index_at, index_length, _),) = doc["files"]
+    assert name == item["file"] and size == len(raw) == index_at + index_length  # its frame index last
     # The JSON marker is the newest file: metadata comes after the data.
     names = ["dcp_ext.metadata.json", ".metadata", item["file"]]
     mtimes = [os.stat(url / n).st_mtime_ns for n in names]

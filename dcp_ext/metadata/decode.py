@@ -9,7 +9,8 @@ described in :mod:`dcp_ext.metadata.document`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,12 +25,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._torch_format import dtype_from_name
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, UnsupportedCodecError
 from ..tagged_json import decode_tree
+from .chunk_table import ChunkLocations, chunks_of, clear_chunk_cache, decode_table, read_key_rows
 from .document import (
     DCP_VERSION,
     FORMAT,
     MAX_FRAME_SIZE,
+    FrameIndexRef,
     READABLE_VERSIONS,
     StoredItem,
     check_integrity,
@@ -37,6 +40,8 @@ from .document import (
 )
 
 __all__ = ["DecodedMetadata", "decode_metadata", "read_created"]
+
+_lock = threading.Lock()  # version-3 decodes share a cache of chunk boxes
 
 
 def _int_list(value: Any, what: str, where: str) -> list[int]:
@@ -55,12 +60,23 @@ def _nonneg(value: Any, what: str, where: str) -> int:
 
 @dataclass(frozen=True)
 class DecodedMetadata:
-    """What :func:`decode_metadata` returns."""
+    """What :func:`decode_metadata` returns.
+
+    Attributes:
+        metadata: DCP's metadata; its ``storage_data`` maps each chunk to its
+            :class:`StoredItem` (version 3: a lazy :class:`ChunkLocations`
+            whose items get their frame tables from :func:`attach_frame_indexes`).
+        files: Size of each data file.
+        world_size: Ranks that saved.
+        created: Commit time.
+        frame_indexes: Version 3: where each file's frame index lies.
+    """
 
     metadata: Metadata
     files: dict[str, int]
     world_size: int
     created: float = 0.0
+    frame_indexes: dict[str, FrameIndexRef] = field(default_factory=dict)
 
 
 def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
@@ -97,6 +113,20 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
             f"an earlier checkpoint.",
             where,
         )
+    if version == 3:
+        try:
+            with _lock:
+                try:
+                    return _decode_v3(doc, where)
+                finally:
+                    clear_chunk_cache()
+        except (CheckpointCorruptError, UnsupportedCodecError):
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+            raise CheckpointCorruptError(
+                f"{where} is malformed ({type(err).__name__}: {err}); the metadata file is damaged",
+                where,
+            ) from err
     try:
         state_dict_metadata: dict[str, Any] = {}
         for fqn, entry in doc["state_dict"].items():
@@ -158,23 +188,7 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
                     f"{where}: item {fqn!r} lies outside file {name!r} as recorded", where
                 )
             storage[index] = item
-        meta_in = doc.get("storage_meta")
-        storage_meta = (
-            None
-            if meta_in is None
-            else StorageMeta(
-                checkpoint_id=meta_in.get("checkpoint_id"),
-                save_id=meta_in.get("save_id"),
-                modules=list(meta_in.get("modules") or []),
-            )
-        )
-        metadata = Metadata(
-            state_dict_metadata=state_dict_metadata,
-            planner_data=decode_tree(doc.get("planner_data")),
-            storage_data=storage,
-            storage_meta=storage_meta,
-            version=str(doc.get("dcp_version", DCP_VERSION)),
-        )
+        metadata = _metadata(doc, state_dict_metadata, storage)
         world_size = int(doc.get("world_size", 0))
         created = float(doc.get("created", 0) or 0)
     except CheckpointCorruptError:
@@ -185,6 +199,82 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
             where,
         ) from err
     return DecodedMetadata(metadata, files, world_size, created)
+
+
+def _metadata(doc: dict[str, Any], state_dict_metadata: dict[str, Any], storage: Any) -> Metadata:
+    meta_in = doc.get("storage_meta")
+    storage_meta = (
+        None
+        if meta_in is None
+        else StorageMeta(
+            checkpoint_id=meta_in.get("checkpoint_id"),
+            save_id=meta_in.get("save_id"),
+            modules=list(meta_in.get("modules") or []),
+        )
+    )
+    return Metadata(
+        state_dict_metadata=state_dict_metadata,
+        planner_data=decode_tree(doc.get("planner_data")),
+        storage_data=storage,
+        storage_meta=storage_meta,
+        version=str(doc.get("dcp_version", DCP_VERSION)),
+    )
+
+
+def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
+    """A version-3 document: files with their frame indexes, codecs, the chunk table."""
+    names: list[str] = []
+    sizes: list[int] = []
+    indexes: dict[str, FrameIndexRef] = {}
+    for entry in doc["files"]:
+        if not isinstance(entry, list) or len(entry) != 5:
+            raise CheckpointCorruptError(f"{where}: malformed file entry {entry!r}", where)
+        name = validate_file_name(entry[0], where)
+        size = _nonneg(entry[1], f"size of {name!r}", where)
+        at = _nonneg(entry[2], f"frame index offset of {name!r}", where)
+        length = _nonneg(entry[3], f"frame index length of {name!r}", where)
+        digest = entry[4]
+        if at + length != size or not isinstance(digest, str) or len(digest) != 16:
+            raise CheckpointCorruptError(f"{where}: file {name!r} has a malformed frame index entry", where)
+        if name in indexes:
+            raise CheckpointCorruptError(f"{where}: file {name!r} is listed twice", where)
+        names.append(name)
+        sizes.append(size)
+        indexes[name] = FrameIndexRef(at, length, int(digest, 16))
+    codecs = []
+    for codec in doc["codecs"]:
+        if not isinstance(codec, list) or not codec or not all(isinstance(c, str) for c in codec):
+            raise CheckpointCorruptError(f"{where}: invalid codec {codec!r}", where)
+        codecs.append(tuple(codec))
+    table = decode_table(doc["chunk_table"], doc.get("chunk_table_codec"), doc["chunk_table_bytes"], where)
+    locations = ChunkLocations(names, codecs, sizes, where)
+    state_dict_metadata: dict[str, Any] = {}
+    for fqn, entry in doc["state_dict"].items():
+        kind = entry["kind"]
+        if kind == "bytes":
+            rows, _, _, columns = read_key_rows(table, entry["table"], 0, fqn, where)
+            if rows != 1:
+                raise CheckpointCorruptError(f"{where}: bytes value {fqn!r} has {rows} chunks", where)
+            state_dict_metadata[fqn] = BytesStorageMetadata()
+            locations.add_key(fqn, False, [], columns)
+            continue
+        if kind != "tensor":
+            raise CheckpointCorruptError(f"{where}: key {fqn!r} has unknown kind {kind!r}", where)
+        shape = _int_list(entry["size"], f"size of {fqn!r}", where)
+        rows, offsets, chunk_sizes, columns = read_key_rows(table, entry["table"], len(shape), fqn, where)
+        try:
+            dtype = dtype_from_name(entry["dtype"])
+        except ValueError as err:
+            raise CheckpointCorruptError(f"{where}: key {fqn!r}: {err}", where) from err
+        state_dict_metadata[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype, requires_grad=bool(entry.get("requires_grad", False))),
+            size=torch.Size(shape),
+            chunks=chunks_of(rows, offsets, chunk_sizes, shape, fqn, where),
+        )
+        locations.add_key(fqn, True, offsets, columns)
+    metadata = _metadata(doc, state_dict_metadata, locations)
+    files = dict(zip(names, sizes))
+    return DecodedMetadata(metadata, files, int(doc.get("world_size", 0)), float(doc.get("created", 0) or 0), indexes)
 
 
 def _decode_frames(record: dict[str, Any], base: StoredItem, fqn: str, where: str) -> StoredItem:

@@ -91,8 +91,8 @@ __all__ = [
 METADATA_FILE = "dcp_ext.metadata.json"
 TORCH_METADATA_FILE = ".metadata"
 FORMAT = "dcp_ext"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 DCP_VERSION = "1.0.0"
 
 # Largest frame a writer produces (IOConfig.frame_size's bound): a reader
@@ -126,6 +126,21 @@ def validate_file_name(name: object, where: str) -> str:
 
 
 @dataclass(frozen=True)
+class FrameIndexRef:
+    """Where a data file's frame index lies and what it hashes to (version 3).
+
+    Attributes:
+        at: Byte offset of the index in the file.
+        length: Its bytes.
+        xxh3: xxh3-64 of its bytes.
+    """
+
+    at: int
+    length: int
+    xxh3: int
+
+
+@dataclass(frozen=True)
 class StoredItem:
     """Where one stored chunk (a tensor shard or a bytes object) lives.
 
@@ -145,6 +160,9 @@ class StoredItem:
             frames (metadata version 1).
         frame_lengths: Stored bytes of each frame of a compressed item.
         checksums: xxh3-64 of each frame's stored bytes.
+        indexed: The frame lengths and checksums are in the file's frame
+            index (:mod:`dcp_ext.metadata.frame_index`) and not attached yet.
+        frame_index: On a writer's results: its file's frame index.
     """
 
     relative_path: str
@@ -157,6 +175,8 @@ class StoredItem:
     frame_size: int = 0
     frame_lengths: tuple[int, ...] = ()
     checksums: tuple[int, ...] = ()
+    indexed: bool = False
+    frame_index: FrameIndexRef | None = None
 
     @property
     def raw_size(self) -> int:
@@ -190,9 +210,22 @@ def encode_metadata(
     items: dict[MetadataIndex, StoredItem],
     *,
     world_size: int,
+    version: int = FORMAT_VERSION,
 ) -> bytes:
-    """Serialize ``metadata`` and where its items live as dcp_ext's JSON."""
-    where = METADATA_FILE
+    """Serialize ``metadata`` and where its items live as dcp_ext's JSON.
+
+    Args:
+        metadata: The checkpoint's metadata (from the global plan).
+        items: Where each chunk went (the writers' results).
+        world_size: Ranks that saved.
+        version: ``3`` (items' frame tables in their files' frame indexes,
+            a compact chunk table) or ``2`` (everything in the document;
+            the items must carry their frame tables).
+    """
+    if version == 3:
+        return _encode_v3(metadata, items, world_size)
+    if version != 2:
+        raise ValueError(f"dcp_ext writes metadata versions 2 and 3, not {version!r}")
     state_dict: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -226,10 +259,17 @@ def encode_metadata(
             }
         )
         files[item.relative_path] = max(files.get(item.relative_path, 0), item.offset + item.length)
+    document = _header(metadata, world_size, 2)
+    document.update({"state_dict": state_dict, "items": records, "files": files})
+    return seal(document)
+
+
+def _header(metadata: Metadata, world_size: int, version: int) -> dict[str, Any]:
+    """The document's leading fields (``created`` among the first: see ``read_created``)."""
     storage_meta = metadata.storage_meta
-    document = {
+    return {
         "format": FORMAT,
-        "version": FORMAT_VERSION,
+        "version": version,
         "dcp_version": DCP_VERSION,
         "torch_version": torch.__version__.split("+")[0],
         "byteorder": "little",
@@ -244,12 +284,61 @@ def encode_metadata(
             "save_id": storage_meta.save_id,
             "modules": list(storage_meta.modules or []),
         },
-        "planner_data": _encode_planner_data(metadata.planner_data, where),
+        "planner_data": _encode_planner_data(metadata.planner_data, METADATA_FILE),
         "checksum": "xxh3-64",
-        "state_dict": state_dict,
-        "items": records,
-        "files": files,
     }
+
+
+def _encode_v3(metadata: Metadata, items: dict[MetadataIndex, StoredItem], world_size: int) -> bytes:
+    """Version 3: a chunk table (:mod:`~dcp_ext.metadata.chunk_table`) and, per file, its frame index."""
+    from .chunk_table import TableWriter
+
+    where = METADATA_FILE
+    file_entries: dict[str, list[Any]] = {}
+    for item in items.values():
+        entry = file_entries.get(item.relative_path)
+        if entry is None:
+            ref = item.frame_index
+            if ref is None:
+                raise ValueError(f"{where}: item in {item.relative_path!r} has no frame index (version 3 needs one)")
+            entry = file_entries[item.relative_path] = [
+                item.relative_path, ref.at + ref.length, ref.at, ref.length, f"{ref.xxh3:016x}"
+            ]
+    file_ids = {name: k for k, name in enumerate(file_entries)}
+    # (key, offsets) tuples hash in C; MetadataIndex hashes in Python.
+    by_box = {(index.fqn, index.offset): item for index, item in items.items()}
+    codecs: dict[tuple[str, ...], int] = {}
+    table = TableWriter(file_ids, codecs)
+    state_dict: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            chunks = md.chunks
+            try:
+                stored = [by_box[(fqn, c.offsets)] for c in chunks]
+            except KeyError as err:
+                raise ValueError(f"{where}: no writer reported where a chunk of {fqn!r} went") from err
+            state_dict[fqn] = {
+                "kind": "tensor",
+                "dtype": dtype_name(md.properties.dtype),
+                "size": [int(s) for s in md.size],
+                "requires_grad": bool(md.properties.requires_grad),
+                "table": table.add([c.offsets for c in chunks], [c.sizes for c in chunks], stored),
+            }
+        else:
+            stored_one = by_box.get((fqn, None))
+            if stored_one is None:
+                raise ValueError(f"{where}: no writer reported where {fqn!r} went")
+            state_dict[fqn] = {"kind": "bytes", "table": table.add([], [], [stored_one])}
+    chunk_table, table_codec, raw_bytes = table.finish()
+    document = _header(metadata, world_size, 3)
+    document.update({
+        "files": list(file_entries.values()),
+        "codecs": [list(c) for c, _ in sorted(codecs.items(), key=lambda kv: kv[1])],
+        "state_dict": state_dict,
+        "chunk_table": chunk_table,
+        "chunk_table_codec": table_codec,
+        "chunk_table_bytes": raw_bytes,
+    })
     return seal(document)
 
 

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dcp_ext
+from dcp_ext.metadata.frame_index import frame_count
 from dcp_ext import CheckpointManager, CheckpointReader, IOConfig, LayoutLoadPlanner
 from tests.support.compare import state_diff
 
@@ -161,6 +162,7 @@ def load_world(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 manager.resume(model, optim)
                 reader, planner = manager.last_reader, manager.last_load_planner
                 assert reader is not None and planner is not None
+                metadata_reads = reader.metadata_reads  # before this rank's own read below
                 meta = reader.read_metadata()
                 got = full_state(model, optim)
                 out[f"{source}/{verify}"] = {
@@ -171,7 +173,8 @@ def load_world(rank: int, world_size: int, root: str) -> dict[str, Any]:
                     "fast_path": planner.fast_path_keys,
                     "stored": sum(i.data_length for i in meta.storage_data.values()),
                     "raw": sum(i.raw_size for i in meta.storage_data.values()),
-                    "frames": sum(len(i.checksums) for i in meta.storage_data.values()),
+                    "frames": sum(frame_count(i) for i in meta.storage_data.values()),
+                    "metadata_reads": metadata_reads,
                     "diff": state_diff(torch.load(f"{root}/big4.ref.pt", weights_only=False), got)
                     if rank == 0 else [],
                 }
@@ -182,6 +185,10 @@ def load_world(rank: int, world_size: int, root: str) -> dict[str, Any]:
         manager.resume(model)
         assert manager.last_reader is not None and manager.last_load_planner is not None
         out["files_read"] = sorted(manager.last_reader.store.stats.snapshot().files_read)
+        # Version-3 metadata: the coordinator read the document for all ranks,
+        # and each rank read the frame index of its own file only.
+        out["metadata_reads"] = manager.last_reader.metadata_reads
+        out["indexes_read"] = sorted(manager.last_reader.storage_data.attached_files)
         out["fast_path"] = manager.last_load_planner.fast_path_keys
         out["tensors"] = len(get_model_state_dict(model))
     return out

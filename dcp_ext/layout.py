@@ -285,6 +285,17 @@ class MeshInfo:
         return {name: coords[name] for name in self.dim_names}
 
 
+def _runs(positions: list[int]) -> list[int]:
+    """Sorted positions as ``[start, end, start, end, ...]`` runs (ends exclusive)."""
+    runs: list[int] = []
+    for p in positions:
+        if runs and runs[-1] == p:
+            runs[-1] = p + 1
+        else:
+            runs += [p, p + 1]
+    return runs
+
+
 def position_name(rank: int, mesh: MeshInfo | None) -> str:
     """``rank3``, or ``pp0_tp1_dp0`` from the mesh coordinates of ``rank``."""
     if mesh is None:
@@ -328,12 +339,15 @@ class Partition:
     partners: tuple[int, ...] = ()
 
     def to_json(self) -> bytes:
-        """Version 2: each distinct list of keys once (``key_sets``), which
-        ranks name by position; FSDP's ranks all write the same keys."""
-        key_sets: dict[tuple[str, ...], int] = {}
+        """Version 2: every key once (``key_table``, sorted); each rank's keys
+        per kind as runs of positions in it (``[start, end, start, end, ...]``,
+        ends exclusive). FSDP's ranks write the same sharded keys and a few
+        replicated ones each, so a rank takes a few numbers, not a key list."""
+        table = sorted({key for r in self.ranks for keys in r.keys.values() for key in keys})
+        position = {key: k for k, key in enumerate(table)}
         ranks = [
             {"rank": r.rank, "coords": r.coords, "files": list(r.files),
-             "keys": {k: key_sets.setdefault(v, len(key_sets)) for k, v in r.keys.items()}}
+             "keys": {k: _runs(sorted(position[key] for key in v)) for k, v in r.keys.items()}}
             for r in self.ranks
         ]
         return json.dumps(
@@ -348,7 +362,7 @@ class Partition:
                     "dim_names": list(self.mesh.dim_names),
                     "ranks": list(self.mesh.ranks),
                 },
-                "key_sets": [list(keys) for keys in key_sets],
+                "key_table": table,
                 "ranks": ranks,
                 **({"nodes": list(self.nodes)} if self.nodes else {}),
                 **({"partners": list(self.partners)} if self.partners else {}),
@@ -367,10 +381,20 @@ class Partition:
             doc = json.loads(data)
             if doc.get("format") != "dcp_ext.partition" or doc.get("version") not in (1, 2):
                 raise ValueError("not a dcp_ext partition record (version 1 or 2)")
-            key_sets = [tuple(str(x) for x in keys) for keys in doc.get("key_sets", ())]
+            table = [str(key) for key in doc.get("key_table", ())]
+            version = doc["version"]
 
             def keys_of(value: Any) -> tuple[str, ...]:
-                return key_sets[value] if isinstance(value, int) else tuple(str(x) for x in value)
+                if version == 1:
+                    return tuple(str(x) for x in value)
+                if len(value) % 2:
+                    raise ValueError("a rank's key runs must come in start/end pairs")
+                found: list[str] = []
+                for start, end in zip(value[::2], value[1::2]):
+                    if not 0 <= start <= end <= len(table):
+                        raise ValueError(f"key run [{start}, {end}) outside the key table")
+                    found.extend(table[start:end])
+                return tuple(found)
 
             mesh_doc = doc["mesh"]
             mesh = None if mesh_doc is None else MeshInfo(

@@ -38,7 +38,8 @@ def test_layout_partition_and_export(tmp_path: Path) -> None:
         {"dp": 0, "tp": 0}, {"dp": 0, "tp": 1}, {"dp": 1, "tp": 0}, {"dp": 1, "tp": 1}
     ]
     assert partition["ranks"][3]["files"] == ["model_dp1_tp1.distcp", "optimizer_dp1_tp1.distcp"]
-    written = {k for r in partition["ranks"] for k in partition["key_sets"][r["keys"]["model"]]}
+    runs = [r["keys"]["model"] for r in partition["ranks"]]
+    written = {k for r in runs for a, b in zip(r[::2], r[1::2]) for k in partition["key_table"][a:b]}
     assert written == {f"model.{k}" for k in report["full"]}
     plain = report["plain_partition"]
     assert plain["mesh"] is None and [r["coords"] for r in plain["ranks"]] == [{}] * 4

@@ -109,11 +109,12 @@ def test_global_plan_matches_torch_and_names_bad_chunks() -> None:
     assert all(answer.items == [] for answer in answers)
     assert planner.partition is not None
     doc = json.loads(planner.partition.to_json())
-    assert doc["version"] == 2 and len(doc["key_sets"]) == 4  # 8 rank x kind lists: with and without bias / step
+    assert doc["version"] == 2 and len(doc["key_table"]) == 6  # each key once; ranks hold runs of positions
+    assert max(len(runs) for r in doc["ranks"] for runs in r["keys"].values()) <= 4
     assert Partition.from_json(planner.partition.to_json(), "p") == planner.partition
-    old = dict(doc, version=1, ranks=[dict(r, keys={k: doc["key_sets"][v] for k, v in r["keys"].items()})
-                                      for r in doc["ranks"]])
-    del old["key_sets"]
+    old = dict(doc, version=1, ranks=[dict(r, keys={k: list(v) for k, v in rank.keys.items()})
+                                      for r, rank in zip(doc["ranks"], planner.partition.ranks)])
+    del old["key_table"]
     assert Partition.from_json(json.dumps(old).encode(), "p") == planner.partition  # version 1 still reads
 
 

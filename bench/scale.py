@@ -56,6 +56,7 @@ __all__ = [
     "encode_dcp_ext",
     "decode_dcp_ext",
     "attach_dcp_ext_indexes",
+    "metadata_version",
     "Case",
     "Limits",
     "SYSTEMS",
@@ -80,12 +81,12 @@ MiB = 1 << 20
 
 # -- the adapter: the only calls into dcp_ext's metadata format ---------------------------
 #
-# Metadata version 2 (committed): one JSON document with every frame's checksum.
-# Version 3 (being written when this was, uncommitted): each data file ends with
-# a binary frame index, the document holds a chunk table and where each index
-# lies. These four functions follow ``FORMAT_VERSION``, the version dcp_ext's
-# writer writes; version 3's modules are imported by name so that this file
-# also type-checks against a dcp_ext without them.
+# Version 3 (dcp_ext's default since commit dfeb22b): each data file ends with a
+# binary frame index, and the JSON document holds a compact chunk table and
+# where each index lies. Version 2: one JSON document with every frame's
+# checksum. These functions write what dcp_ext's writer writes by default
+# (``IOConfig().metadata_version``); they also run against a dcp_ext from
+# before version 3 (its modules are imported only when version 3 is written).
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,12 @@ class EncodedMetadata:
     index_seconds: float = 0.0
 
 
-def _format_version() -> int:
+def metadata_version() -> int:
+    """The metadata version dcp_ext's writer writes by default."""
+    from dcp_ext.config import IOConfig
     from dcp_ext.metadata import document
 
-    return int(document.FORMAT_VERSION)
+    return int(getattr(IOConfig(), "metadata_version", document.FORMAT_VERSION))
 
 
 def encode_dcp_ext(metadata: Metadata, items: dict[MetadataIndex, StoredItem], world_size: int) -> EncodedMetadata:
@@ -117,38 +120,36 @@ def encode_dcp_ext(metadata: Metadata, items: dict[MetadataIndex, StoredItem], w
     (the writers' results with every frame's checksum, as ``FrameEncoder`` makes them).
 
     Version 3: first each data file's frame index, as each writer appends it
-    to its file (timed apart, :attr:`EncodedMetadata.index_seconds`).
+    to its file (``writer._append_frame_index``; timed apart,
+    :attr:`EncodedMetadata.index_seconds`), then the document.
     """
     from dcp_ext.metadata import encode_metadata
 
-    if _format_version() < 3:
+    version = metadata_version()
+    if version < 3:
         return EncodedMetadata(encode_metadata(metadata, items, world_size=world_size))
-    import importlib
-
     import xxhash
 
-    frame_index: Any = importlib.import_module("dcp_ext.metadata.frame_index")
-    document: Any = importlib.import_module("dcp_ext.metadata.document")
+    from dcp_ext.metadata.document import FrameIndexRef
+    from dcp_ext.metadata.frame_index import encode_frame_index
+
     start = time.perf_counter()
     by_file: dict[str, list[tuple[MetadataIndex, StoredItem]]] = {}
     for index, item in items.items():
         by_file.setdefault(item.relative_path, []).append((index, item))
     indexes: dict[str, bytes] = {}
     indexed: dict[MetadataIndex, StoredItem] = {}
-    changes: dict[str, Any] = {"frame_lengths": (), "checksums": (), "indexed": True}
     for name, entries in by_file.items():
         entries.sort(key=lambda entry: entry[1].offset)
-        data = frame_index.encode_frame_index([item for _, item in entries])
+        data = encode_frame_index([item for _, item in entries])
         end = max(item.offset + item.length for _, item in entries)
-        ref = document.FrameIndexRef(end, len(data), xxhash.xxh3_64_intdigest(data))
+        ref = FrameIndexRef(end, len(data), xxhash.xxh3_64_intdigest(data))
         indexes[name] = data
-        changes["frame_index"] = ref
         for index, item in entries:
-            indexed[index] = replace(item, **changes)
+            indexed[index] = replace(item, frame_lengths=(), checksums=(), indexed=True, frame_index=ref)
     index_seconds = time.perf_counter() - start
     metadata.storage_data = indexed
-    encode: Any = encode_metadata  # version= is new in version 3's dcp_ext
-    global_bytes = encode(metadata, indexed, world_size=world_size, version=3)
+    global_bytes = encode_metadata(metadata, indexed, world_size=world_size, version=version)
     return EncodedMetadata(global_bytes, indexes, index_seconds)
 
 
@@ -166,12 +167,10 @@ def attach_dcp_ext_indexes(decoded: Any, encoded: EncodedMetadata, names: set[st
     refs = getattr(decoded, "frame_indexes", None)
     if not refs:
         return 0
-    import importlib
+    from dcp_ext.metadata.frame_index import attach_frame_indexes
 
-    frame_index: Any = importlib.import_module("dcp_ext.metadata.frame_index")
-    frame_index.attach_frame_indexes(
-        decoded.metadata.storage_data, names, refs, lambda name, ref: encoded.file_indexes[name], str, 1
-    )
+    attach_frame_indexes(decoded.metadata.storage_data, names, refs, lambda name, ref: encoded.file_indexes[name],
+                         str, 1)
     return sum(len(encoded.file_indexes[name]) for name in names)
 
 
@@ -355,7 +354,7 @@ def _failure(outcome: _Outcome, limits: Limits) -> str:
     if outcome.status == "timeout":
         return f"did not finish in {limits.timeout:g} s ({outcome.phase})"
     if outcome.status == "memory":
-        return f"exceeded {limits.memory_bytes / GiB:.0f} GiB RSS ({outcome.phase})"
+        return f"exceeded {limits.memory_bytes / GiB:.1f} GiB RSS ({outcome.phase})"
     return f"failed ({outcome.phase}): {outcome.error.strip().splitlines()[-1] if outcome.error else '?'}"
 
 

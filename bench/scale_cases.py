@@ -25,6 +25,7 @@ import contextlib
 import cProfile
 import gc
 import json
+import math
 import os
 import pickle
 import pstats
@@ -182,6 +183,14 @@ def _dcp_ext_save_planner(layout: Layout) -> Any:
     return LayoutSavePlanner(mesh, None)
 
 
+def _torch_pickle_limit() -> float:
+    """Up to how many chunks an uncompressed dcp_ext save also writes torch's
+    pickle (``IOConfig.torch_metadata_chunks``; always before it existed)."""
+    from dcp_ext.config import IOConfig
+
+    return float(getattr(IOConfig(), "torch_metadata_chunks", math.inf))
+
+
 def _chunks(metadata: Metadata) -> int:
     return sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata))
 
@@ -216,7 +225,9 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
         clock.seconds["encode"] = max(0.0, clock.seconds["encode"] - encoded.index_seconds)
         clock.cpu_seconds["encode"] = max(0.0, clock.cpu_seconds["encode"] - encoded.index_seconds)
         clock.seconds["file indexes"] = encoded.index_seconds
-        interop = clock.timed("interop pickle", lambda: to_torch_metadata(metadata, items))
+        interop = b""
+        if len(items) <= _torch_pickle_limit():  # as CheckpointWriter.finish decides
+            interop = clock.timed("interop pickle", lambda: to_torch_metadata(metadata, items))
         partition = clock.timed(
             "partition encode", lambda: planner.partition.to_json() if planner.partition is not None else b""
         )

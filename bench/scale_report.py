@@ -87,7 +87,8 @@ def render_extras(rows: Sequence[dict[str, Any]]) -> str:
             continue
         lines.append("| " + " | ".join([
             row["model"], f"{row['ranks']:,}", f"{save['write_items']:,}", f"{save['frames']:,}",
-            f"{save['files']:,}", _fmt_bytes(save["interop_bytes"]), _fmt_s(_steps(row, "save").get("interop pickle")),
+            f"{save['files']:,}", _fmt_bytes(save["interop_bytes"]) if save["interop_bytes"] else "not written",
+            _fmt_s(_steps(row, "save").get("interop pickle")),
             _fmt_bytes(save["partition_bytes"]), _fmt_s(_steps(row, "save").get("partition encode")),
             _fmt_s(_steps(row, "load").get("partition decode")),
             f"{load['read_items']:,}" if "read_items" in load else "–",

@@ -29,6 +29,7 @@ from bench.model_shapes import MODELS, ModelShape, Param
 from bench.scale_plans import Layout, dcp_ext_write_results, finish_plans, local_chunk, rank_save_plan, save_plans
 from dcp_ext.layout import MeshInfo
 from dcp_ext import CheckpointReader
+from dcp_ext.metadata import METADATA_FILE
 from dcp_ext.planners import LayoutSavePlanner
 from tests.support.dist import run_world
 
@@ -208,6 +209,14 @@ def test_synthesized_write_results_equal_real_checkpoint(worlds: Any, world_size
             assert len(mine.checksums) == len(theirs.checksums), index
     assert planner.partition is not None
     assert planner.partition.to_json() == (checkpoint / "partition.json").read_bytes()
+    # Through the simulator's metadata adapter: the same data files, sizes and frame indexes.
+    encoded = scale.encode_dcp_ext(metadata, items, world_size)
+    mine = scale.decode_dcp_ext(encoded)
+    theirs = scale.decode_dcp_ext(scale.EncodedMetadata((checkpoint / METADATA_FILE).read_bytes()))
+    assert mine.files == theirs.files
+    refs = [{name: (ref.at, ref.length) for name, ref in getattr(d, "frame_indexes", {}).items()} for d in (mine, theirs)]
+    assert refs[0] == refs[1]
+    assert sorted(encoded.file_indexes) == sorted(refs[0])
 
 
 def test_local_chunk_matches_dtensor_for_uneven_and_empty_shards() -> None:

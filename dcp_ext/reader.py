@@ -303,7 +303,7 @@ class CheckpointReader(StorageReader):
             try:
                 box[0] = self.store.read_file(METADATA_FILE)
                 self.metadata_reads += 1
-            except DcpExtError:
+            except Exception:  # noqa: BLE001 - never skip the broadcast: every rank then reads (and reports) itself
                 box[0] = None
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         return box[0]

@@ -20,7 +20,8 @@ after ``--timeout`` seconds or above ``--memory-limit``. ``--profile`` runs
 the coordinator's planning under ``cProfile`` at the given N.
 
 Every call into dcp_ext's metadata format goes through the adapter below
-(:func:`encode_dcp_ext`, :func:`decode_dcp_ext`, :func:`attach_dcp_ext_indexes`),
+(:func:`finish_data_file`, :func:`encode_dcp_ext`, :func:`decode_dcp_ext`,
+:func:`attach_dcp_ext_indexes`),
 which follows the version dcp_ext's writer writes: change it, and nothing
 else, when the format changes.
 """
@@ -53,6 +54,7 @@ from .scale_report import render_markdown
 
 __all__ = [
     "EncodedMetadata",
+    "finish_data_file",
     "encode_dcp_ext",
     "decode_dcp_ext",
     "attach_dcp_ext_indexes",
@@ -85,8 +87,12 @@ MiB = 1 << 20
 # binary frame index, and the JSON document holds a compact chunk table and
 # where each index lies. Version 2: one JSON document with every frame's
 # checksum. These functions write what dcp_ext's writer writes by default
-# (``IOConfig().metadata_version``); they also run against a dcp_ext from
-# before version 3 (its modules are imported only when version 3 is written).
+# (``IOConfig().metadata_version``), split as the save splits the work: each
+# rank finishes its data files (finish_data_file), the coordinator encodes the
+# document (encode_dcp_ext), every loading rank decodes it (decode_dcp_ext) and
+# reads the indexes of the files it reads (attach_dcp_ext_indexes). They also
+# run against a dcp_ext from before version 3 (its modules are imported only
+# when version 3 is written).
 
 
 @dataclass(frozen=True)
@@ -96,15 +102,11 @@ class EncodedMetadata:
     Attributes:
         global_bytes: The document every loading rank reads (``dcp_ext.metadata.json``).
         file_indexes: Per data file, the index only the ranks reading that
-            file need (empty for metadata version 2, which has none).
-        index_seconds: Time spent building ``file_indexes``, which in a real
-            save each rank does for its own files, in parallel: not the
-            coordinator's encoding time.
+            file need (none for metadata version 2).
     """
 
     global_bytes: bytes
     file_indexes: dict[str, bytes] = field(default_factory=dict)
-    index_seconds: float = 0.0
 
 
 def metadata_version() -> int:
@@ -115,42 +117,42 @@ def metadata_version() -> int:
     return int(getattr(IOConfig(), "metadata_version", document.FORMAT_VERSION))
 
 
-def encode_dcp_ext(metadata: Metadata, items: dict[MetadataIndex, StoredItem], world_size: int) -> EncodedMetadata:
-    """(coordinator, ``CheckpointWriter.finish``) dcp_ext's metadata for ``items``
-    (the writers' results with every frame's checksum, as ``FrameEncoder`` makes them).
+def finish_data_file(name: str, items: list[StoredItem]) -> tuple[list[StoredItem], bytes]:
+    """(each rank, ``CheckpointWriter`` at the end of each data file) The items
+    as the writer reports them to the coordinator, and what it appends to the
+    file after them.
 
-    Version 3: first each data file's frame index, as each writer appends it
-    to its file (``writer._append_frame_index``; timed apart,
-    :attr:`EncodedMetadata.index_seconds`), then the document.
+    Args:
+        name: The data file.
+        items: Its items in file order, each with every frame's checksum (as
+            ``FrameEncoder`` makes them).
+
+    Returns:
+        Version 3: the items without frame tables, pointing at the file's
+        frame index, and that index (``writer._append_frame_index``).
+        Version 2: the items as given, and nothing.
     """
-    from dcp_ext.metadata import encode_metadata
-
-    version = metadata_version()
-    if version < 3:
-        return EncodedMetadata(encode_metadata(metadata, items, world_size=world_size))
+    if metadata_version() < 3:
+        return items, b""
     import xxhash
 
     from dcp_ext.metadata.document import FrameIndexRef
     from dcp_ext.metadata.frame_index import encode_frame_index
 
-    start = time.perf_counter()
-    by_file: dict[str, list[tuple[MetadataIndex, StoredItem]]] = {}
-    for index, item in items.items():
-        by_file.setdefault(item.relative_path, []).append((index, item))
-    indexes: dict[str, bytes] = {}
-    indexed: dict[MetadataIndex, StoredItem] = {}
-    for name, entries in by_file.items():
-        entries.sort(key=lambda entry: entry[1].offset)
-        data = encode_frame_index([item for _, item in entries])
-        end = max(item.offset + item.length for _, item in entries)
-        ref = FrameIndexRef(end, len(data), xxhash.xxh3_64_intdigest(data))
-        indexes[name] = data
-        for index, item in entries:
-            indexed[index] = replace(item, frame_lengths=(), checksums=(), indexed=True, frame_index=ref)
-    index_seconds = time.perf_counter() - start
-    metadata.storage_data = indexed
-    global_bytes = encode_metadata(metadata, indexed, world_size=world_size, version=version)
-    return EncodedMetadata(global_bytes, indexes, index_seconds)
+    index = encode_frame_index(items)
+    end = items[-1].offset + items[-1].length if items else 0
+    ref = FrameIndexRef(end, len(index), xxhash.xxh3_64_intdigest(index))
+    return [replace(item, frame_lengths=(), checksums=(), indexed=True, frame_index=ref) for item in items], index
+
+
+def encode_dcp_ext(metadata: Metadata, items: dict[MetadataIndex, StoredItem], world_size: int) -> bytes:
+    """(coordinator, ``CheckpointWriter.finish``) The metadata document for the
+    writers' results (``items``, each as :func:`finish_data_file` returned it)."""
+    from dcp_ext.metadata import encode_metadata
+
+    if metadata_version() < 3:
+        return encode_metadata(metadata, items, world_size=world_size)
+    return encode_metadata(metadata, items, world_size=world_size, version=metadata_version())
 
 
 def decode_dcp_ext(encoded: EncodedMetadata) -> Any:

@@ -40,7 +40,15 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from .model_shapes import MODELS
-from .scale import SYNTHESIS, Case, EncodedMetadata, attach_dcp_ext_indexes, decode_dcp_ext, encode_dcp_ext
+from .scale import (
+    SYNTHESIS,
+    Case,
+    EncodedMetadata,
+    attach_dcp_ext_indexes,
+    decode_dcp_ext,
+    encode_dcp_ext,
+    finish_data_file,
+)
 from .scale_plans import (
     Layout,
     dcp_ext_write_results,
@@ -208,23 +216,21 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
 
         planner = _dcp_ext_save_planner(layout)
         global_plans, metadata = clock.timed("global plan", lambda: planner.create_global_plan(plans))
+        # The ranks' side (not timed): finish their plans, write, report.
         final = finish_plans(lambda: _dcp_ext_save_planner(layout), plans, global_plans)
-        del global_plans
-        results = dcp_ext_write_results(shape, final)
-        del final
+        written = dcp_ext_write_results(shape, final, finish_data_file)
+        # The coordinator keeps the metadata (whose chunks are the plans'), not the plans.
+        del plans, global_plans, final
+        results = written.results
 
-        def finish() -> tuple[dict[Any, Any], EncodedMetadata]:
+        def finish() -> tuple[dict[Any, Any], bytes]:
             # CheckpointWriter.finish: the write results keyed by item, then the document.
             items = {r.index: r.storage_data for rank_results in results for r in rank_results}
             metadata.storage_data = items
             metadata.storage_meta = _storage_meta(case)
             return items, encode_dcp_ext(metadata, items, case.ranks)
 
-        items, encoded = clock.timed("encode", finish)
-        # Each rank builds its files' indexes in a real save: not the coordinator's time.
-        clock.seconds["encode"] = max(0.0, clock.seconds["encode"] - encoded.index_seconds)
-        clock.cpu_seconds["encode"] = max(0.0, clock.cpu_seconds["encode"] - encoded.index_seconds)
-        clock.seconds["file indexes"] = encoded.index_seconds
+        items, global_bytes = clock.timed("encode", finish)
         interop = b""
         if len(items) <= _torch_pickle_limit():  # as CheckpointWriter.finish decides
             interop = clock.timed("interop pickle", lambda: to_torch_metadata(metadata, items))
@@ -232,25 +238,24 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
             "partition encode", lambda: planner.partition.to_json() if planner.partition is not None else b""
         )
         out.update(
-            frames=sum(len(item.checksums) for item in items.values()),
+            frames=written.frames,
             data_bytes=sum(item.data_length for item in items.values()),
             files=len({item.relative_path for item in items.values()}),
             interop_bytes=len(interop),
             partition_bytes=len(partition),
+            global_bytes=len(global_bytes),
+            index_bytes=sum(len(b) for b in written.file_indexes.values()),
         )
         del interop
-        _write_encoded(workdir, encoded)
+        _write_encoded(workdir, EncodedMetadata(global_bytes, written.file_indexes))
         (workdir / _PARTITION_FILE).write_bytes(partition)
-        out.update(global_bytes=len(encoded.global_bytes),
-                   index_bytes=sum(len(b) for b in encoded.file_indexes.values()))
     else:
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         global_plans, metadata = clock.timed("global plan", lambda: DefaultSavePlanner().create_global_plan(plans))
         final = finish_plans(DefaultSavePlanner, plans, global_plans)
-        del global_plans
         results = torch_write_results(shape, final)
-        del final
+        del plans, global_plans, final
 
         def finish_torch() -> tuple[dict[Any, Any], bytes]:
             # FileSystemWriter.finish: storage data keyed by item, then pickle.dump.

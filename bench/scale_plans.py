@@ -60,6 +60,8 @@ __all__ = [
     "rank_save_plan",
     "save_plans",
     "finish_plans",
+    "FinishFile",
+    "WrittenFiles",
     "dcp_ext_write_results",
     "torch_write_results",
     "load_state_dict",
@@ -272,14 +274,38 @@ def finish_plans(planner_type: Callable[[], DefaultSavePlanner], local_plans: li
     return final
 
 
-def dcp_ext_write_results(shape: ModelShape, final_plans: list[SavePlan]) -> list[list[WriteResult]]:
-    """Each rank's ``WriteResult`` list from :class:`dcp_ext.CheckpointWriter`
-    (default settings: uncompressed, 1 MiB frames, one file per kind) for its
-    final plan (:func:`finish_plans`): items in plan order per file, each
-    inside its ``torch.save`` envelope, one checksum per frame."""
+#: What a writer does when a data file's items are written: returns the items
+#: as the writer reports them and the bytes it appends to the file (metadata
+#: version 3: the file's frame index; see ``bench.scale.finish_data_file``).
+FinishFile = Callable[[str, list[StoredItem]], tuple[list[StoredItem], bytes]]
+
+
+@dataclass(frozen=True)
+class WrittenFiles:
+    """What the ranks' writers report for one save.
+
+    Attributes:
+        results: Each rank's ``WriteResult`` list, as the coordinator gathers them.
+        file_indexes: The bytes each data file ends with after its items.
+        frames: Frames (checksums) written.
+    """
+
+    results: list[list[WriteResult]]
+    file_indexes: dict[str, bytes]
+    frames: int
+
+
+def dcp_ext_write_results(shape: ModelShape, final_plans: list[SavePlan],
+                          finish_file: FinishFile | None = None) -> WrittenFiles:
+    """What each rank's :class:`dcp_ext.CheckpointWriter` (default settings:
+    uncompressed, 1 MiB frames, one file per kind) reports for its final plan
+    (:func:`finish_plans`): items in plan order per file, each inside its
+    ``torch.save`` envelope, one checksum per frame; then ``finish_file``
+    on each file's items (none: the items as ``FrameEncoder`` made them)."""
     byte_lengths = _bytes_lengths(tuple(p.fqn for p in shape.params()))
     results: list[list[WriteResult]] = []
-    seed = 0
+    file_indexes: dict[str, bytes] = {}
+    seed = frames = 0
     for plan in final_plans:
         assignment = plan.storage_data
         if not isinstance(assignment, FileAssignment):
@@ -287,17 +313,22 @@ def dcp_ext_write_results(shape: ModelShape, final_plans: list[SavePlan]) -> lis
         rank_results = []
         for name, items in assignment.files_for(list(plan.items), 1):
             position = 0
+            stored_items = []
             for item in items:
                 length, data_at, data_length = _item_layout(item, byte_lengths)
                 seed += 1
-                stored = StoredItem(
+                stored_items.append(StoredItem(
                     name, position, length, data_at, data_length,
                     frame_size=FRAME_SIZE, checksums=_fake_checksums(data_length, seed),
-                )
-                rank_results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=stored))
+                ))
+                frames += len(stored_items[-1].checksums)
                 position += length
+            if finish_file is not None:
+                stored_items, file_indexes[name] = finish_file(name, stored_items)
+            rank_results += [WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored)
+                             for item, stored in zip(items, stored_items)]
         results.append(rank_results)
-    return results
+    return WrittenFiles(results, file_indexes, frames)
 
 
 def torch_write_results(shape: ModelShape, final_plans: list[SavePlan]) -> list[list[WriteResult]]:

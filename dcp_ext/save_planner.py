@@ -1,0 +1,190 @@
+"""The save planner of the partial-checkpoint layout.
+
+:class:`LayoutSavePlanner` is DCP's default save planner (which already
+writes each tensor replicated across data-parallel ranks once, giving each
+duplicate to the least loaded rank) plus two things: every rank's items go to
+files named by kind and rank position (``model_rank3.distcp``,
+``optimizer_dp0_tp1.distcp``), and the partition decision is recorded for
+``partition.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+from ._gc import gc_paused
+from .global_plan import create_global_save_plan
+from .layout import (
+    FileAssignment,
+    MeshInfo,
+    Partition,
+    RankPartition,
+    data_file_name,
+    item_kind,
+    position_name,
+    spread_name,
+)
+
+__all__ = ["LayoutSavePlanner"]
+
+log = logging.getLogger("dcp_ext.planners")
+
+
+class LayoutSavePlanner(DefaultSavePlanner):
+    """Assigns each rank's items to per-kind files and records the partition.
+
+    Every rank constructs one; the coordinator's ``create_global_plan``
+    names the files of all ranks and fills :attr:`partition`.
+
+    Args:
+        mesh: The device mesh the state is sharded over; file names then carry
+            mesh coordinates (``model_dp0_tp1.distcp``) instead of ranks.
+        global_ranks: Global rank of each rank of the saving process group
+            (identity when ``None``), to look ranks up in ``mesh``.
+        nodes: Tiered saves: the node of each rank, recorded in ``partition.json``.
+        partners: Tiered saves with replicas: each node's partner node, recorded too.
+        replicated_apart: Put items that are not shards (plain tensors,
+            non-tensor values) in ``replicated_*`` files of their own
+            (tiered saves copy those to every node).
+        key_prefixes: Deal the data files out over this many key prefixes
+            (``30/model_rank3.distcp``, :func:`dcp_ext.layout.key_prefix`);
+            ``0`` (default) keeps them directly in the checkpoint directory.
+            The manager passes ``IOConfig.key_prefixes``.
+        enable_plan_caching: DCP's plan caching: a rank whose plan is the
+            same as in its previous save sends an empty one, and the
+            coordinator reuses its previous global plan and metadata (with
+            thousands of ranks, most of a save's planning). Off by default,
+            as in DCP.
+
+    Attributes:
+        partition: The partition decision (on the coordinator, after planning).
+        gathered_items: Items in the plans the coordinator received in its
+            last planning (``0`` when every rank's plan came from the cache).
+    """
+
+    # The coordinator's partition of each cached global plan, by cache key.
+    _cached_partition: dict[str, Partition] = {}
+
+    def __init__(
+        self,
+        mesh: MeshInfo | None = None,
+        global_ranks: Sequence[int] | None = None,
+        nodes: Sequence[int] = (),
+        partners: Sequence[int] = (),
+        replicated_apart: bool = False,
+        key_prefixes: int = 0,
+        enable_plan_caching: bool = False,
+    ) -> None:
+        super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=enable_plan_caching)
+        self.gathered_items = 0
+        self.mesh = mesh
+        self.global_ranks = list(global_ranks) if global_ranks is not None else None
+        self.nodes, self.partners = tuple(nodes), tuple(partners)
+        self.replicated_apart = replicated_apart
+        self.key_prefixes = key_prefixes
+        self.partition: Partition | None = None
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """(coordinator) Dedup, then name every rank's files and record who wrote what."""
+        self.gathered_items = sum(len(plan.items) for plan in all_plans)
+        with gc_paused():  # millions of live objects at scale make each full collection costly
+            if not self._enable_plan_caching:
+                return self._create_global_plan(all_plans)
+            # DCP's caching calls _create_global_plan when a plan changed, and
+            # otherwise answers every rank "unchanged" (finish_plan then uses
+            # the rank's previous final plan, files included).
+            self.partition = None
+            answers, metadata = super().create_global_plan(all_plans)
+            if self.partition is None:
+                self.partition = LayoutSavePlanner._cached_partition[self._cached_plans_key]
+            LayoutSavePlanner._cached_partition[self._cached_plans_key] = self.partition
+            return answers, metadata
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        """(all ranks) DCP's set-up; the plan cache is kept per layout and world size."""
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self._cached_plans_key = (
+            f"{type(self).__name__}/{world}/{self.mesh}/{self.global_ranks}/{self.replicated_apart}/{self.key_prefixes}"
+        )
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        dropped, metadata = create_global_save_plan(all_plans)
+        self.metadata = metadata
+        assigned: list[SavePlan] = []
+        ranks: list[RankPartition] = []
+        named = 0  # files named so far, dealt out over the key prefixes
+        sorted_keys: dict[frozenset[str], tuple[str, ...]] = {}  # ranks of one layout share them
+        kinds: dict[tuple[str, bool], str] = {}
+        for rank, (plan, skip) in enumerate(zip(all_plans, dropped)):
+            global_rank = self.global_ranks[rank] if self.global_ranks is not None else rank
+            position = position_name(global_rank, self.mesh)
+            shard = WriteItemType.SHARD  # (enum hashes run in Python: compare identity instead)
+            written = {(item.index.fqn, item.type is shard) for item in plan.items if not skip or item.index not in skip}
+            keys: dict[str, set[str]] = {}
+            for fqn, is_shard in written:
+                kind = kinds.get((fqn, is_shard))
+                if kind is None:
+                    probe = WriteItem(MetadataIndex(fqn), shard if is_shard else WriteItemType.TENSOR)
+                    kind = kinds[(fqn, is_shard)] = item_kind(probe, self.replicated_apart)
+                keys.setdefault(kind, set()).add(fqn)
+            by_kind = tuple(
+                (kind, spread_name(data_file_name(kind, position), named + i, self.key_prefixes))
+                for i, kind in enumerate(sorted(keys))
+            )
+            named += len(by_kind)
+            assignment = FileAssignment(by_kind=by_kind, replicated_apart=self.replicated_apart)
+            # Each rank keeps its own items (finish_plan): only what it leaves to others travels back.
+            # With plan caching the answer carries the rank's items, which DCP
+            # compares with the cached answer to tell the rank "unchanged".
+            kept = [i for i in plan.items if not skip or i.index not in skip] if self._enable_plan_caching else []
+            assigned.append(SavePlan(kept, storage_data=assignment, planner_data=_LeftToOthers(skip)))
+            ranks.append(
+                RankPartition(
+                    rank=rank,
+                    coords=self.mesh.coords(global_rank) if self.mesh is not None else {},
+                    files=tuple(name for _, name in by_kind),
+                    keys={kind: _sorted_once(sorted_keys, fqns) for kind, fqns in sorted(keys.items())},
+                )
+            )
+        self.partition = Partition(len(all_plans), self.mesh, tuple(ranks), self.nodes, self.partners)
+        return assigned, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """(all ranks) This rank's own plan, less the items another rank writes, with its files."""
+        left = new_plan.planner_data
+        if not isinstance(left, _LeftToOthers):
+            return super().finish_plan(new_plan)  # DCP's: with caching, "unchanged" means the previous final plan
+        if new_plan.items:
+            items = new_plan.items
+        elif left.indexes:
+            items = [item for item in self.plan.items if item.index not in left.indexes]
+        else:
+            items = self.plan.items
+        return super().finish_plan(dataclasses.replace(self.plan, items=items, storage_data=new_plan.storage_data))
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeftToOthers:
+    """The coordinator's answer to one rank: the items another rank writes instead."""
+
+    indexes: frozenset[MetadataIndex]
+
+
+def _sorted_once(cache: dict[frozenset[str], tuple[str, ...]], keys: set[str]) -> tuple[str, ...]:
+    frozen = frozenset(keys)
+    found = cache.get(frozen)
+    if found is None:
+        found = cache[frozen] = tuple(sorted(frozen))
+    return found

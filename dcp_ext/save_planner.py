@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
+import xxhash
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from ._gc import gc_paused
+from .compact_plan import NO_ITEM, CompactSavePlan, compact_plan
 from .global_plan import create_global_save_plan
 from .layout import (
     FileAssignment,
@@ -97,7 +99,10 @@ class LayoutSavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """(coordinator) Dedup, then name every rank's files and record who wrote what."""
-        self.gathered_items = sum(len(plan.items) for plan in all_plans)
+        self.gathered_items = sum(
+            len(plan.planner_data) if isinstance(plan.planner_data, CompactSavePlan) else len(plan.items)
+            for plan in all_plans
+        )
         with gc_paused():  # millions of live objects at scale make each full collection costly
             if not self._enable_plan_caching:
                 return self._create_global_plan(all_plans)
@@ -119,43 +124,56 @@ class LayoutSavePlanner(DefaultSavePlanner):
             f"{type(self).__name__}/{world}/{self.mesh}/{self.global_ranks}/{self.replicated_apart}/{self.key_prefixes}"
         )
 
+    def create_local_plan(self) -> SavePlan:
+        """(all ranks) DCP's local plan, sent to the coordinator as a
+        :class:`~dcp_ext.compact_plan.CompactSavePlan`; the rank keeps its items."""
+        plan = super().create_local_plan()
+        if self._enable_plan_caching and not plan.usable:
+            return plan  # unchanged since the last save: DCP sends nothing
+        return SavePlan([], planner_data=compact_plan(self.plan), usable=plan.usable)
+
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        dropped, metadata = create_global_save_plan(all_plans)
-        self.metadata = metadata
+        planned = create_global_save_plan(all_plans)
+        metadata = self.metadata = planned.metadata
+        kinds = {
+            entry.fqn: item_kind(
+                WriteItem(MetadataIndex(entry.fqn), WriteItemType(entry.kind)), self.replicated_apart
+            )
+            for entry in planned.keys
+            if entry.kind != NO_ITEM
+        }
         assigned: list[SavePlan] = []
         ranks: list[RankPartition] = []
         named = 0  # files named so far, dealt out over the key prefixes
-        sorted_keys: dict[frozenset[str], tuple[str, ...]] = {}  # ranks of one layout share them
-        kinds: dict[tuple[str, bool], str] = {}
-        for rank, (plan, skip) in enumerate(zip(all_plans, dropped)):
+        by_kind_of: dict[tuple[str, ...], dict[str, tuple[str, ...]]] = {}  # ranks of one layout share them
+        for rank, (dropped, written) in enumerate(zip(planned.dropped, planned.written_keys)):
             global_rank = self.global_ranks[rank] if self.global_ranks is not None else rank
             position = position_name(global_rank, self.mesh)
-            shard = WriteItemType.SHARD  # (enum hashes run in Python: compare identity instead)
-            written = {(item.index.fqn, item.type is shard) for item in plan.items if not skip or item.index not in skip}
-            keys: dict[str, set[str]] = {}
-            for fqn, is_shard in written:
-                kind = kinds.get((fqn, is_shard))
-                if kind is None:
-                    probe = WriteItem(MetadataIndex(fqn), shard if is_shard else WriteItemType.TENSOR)
-                    kind = kinds[(fqn, is_shard)] = item_kind(probe, self.replicated_apart)
-                keys.setdefault(kind, set()).add(fqn)
+            keys = by_kind_of.get(written)
+            if keys is None:
+                grouped: dict[str, list[str]] = {}
+                for fqn in written:
+                    grouped.setdefault(kinds[fqn], []).append(fqn)
+                keys = by_kind_of[written] = {kind: tuple(sorted(fqns)) for kind, fqns in sorted(grouped.items())}
             by_kind = tuple(
                 (kind, spread_name(data_file_name(kind, position), named + i, self.key_prefixes))
-                for i, kind in enumerate(sorted(keys))
+                for i, kind in enumerate(keys)
             )
             named += len(by_kind)
             assignment = FileAssignment(by_kind=by_kind, replicated_apart=self.replicated_apart)
+            left = _LeftToOthers(tuple(dropped.tolist()))
             # Each rank keeps its own items (finish_plan): only what it leaves to others travels back.
-            # With plan caching the answer carries the rank's items, which DCP
-            # compares with the cached answer to tell the rank "unchanged".
-            kept = [i for i in plan.items if not skip or i.index not in skip] if self._enable_plan_caching else []
-            assigned.append(SavePlan(kept, storage_data=assignment, planner_data=_LeftToOthers(skip)))
+            # With plan caching DCP compares each answer's items with the
+            # cached answer's to tell a rank "unchanged": the answer then
+            # carries one stand-in item naming its content.
+            items = [_answer_item(all_plans[rank], assignment, left)] if self._enable_plan_caching else []
+            assigned.append(SavePlan(items, storage_data=assignment, planner_data=left))
             ranks.append(
                 RankPartition(
                     rank=rank,
                     coords=self.mesh.coords(global_rank) if self.mesh is not None else {},
                     files=tuple(name for _, name in by_kind),
-                    keys={kind: _sorted_once(sorted_keys, fqns) for kind, fqns in sorted(keys.items())},
+                    keys=keys,
                 )
             )
         self.partition = Partition(len(all_plans), self.mesh, tuple(ranks), self.nodes, self.partners)
@@ -166,20 +184,33 @@ class LayoutSavePlanner(DefaultSavePlanner):
         left = new_plan.planner_data
         if not isinstance(left, _LeftToOthers):
             return super().finish_plan(new_plan)  # DCP's: with caching, "unchanged" means the previous final plan
-        if new_plan.items:
-            items = new_plan.items
-        elif left.indexes:
-            items = [item for item in self.plan.items if item.index not in left.indexes]
-        else:
-            items = self.plan.items
-        return super().finish_plan(dataclasses.replace(self.plan, items=items, storage_data=new_plan.storage_data))
+        items = self.plan.items
+        if left.positions:
+            skip = set(left.positions)
+            items = [item for i, item in enumerate(items) if i not in skip]
+        final = dataclasses.replace(self.plan, items=items, storage_data=new_plan.storage_data)
+        return super().finish_plan(final)
 
 
 @dataclasses.dataclass(frozen=True)
 class _LeftToOthers:
-    """The coordinator's answer to one rank: the items another rank writes instead."""
+    """The coordinator's answer to one rank: the positions, in its local plan,
+    of the items another rank writes instead."""
 
-    indexes: frozenset[MetadataIndex]
+    positions: tuple[int, ...]
+
+
+def _answer_item(plan: SavePlan, assignment: FileAssignment, left: _LeftToOthers) -> WriteItem:
+    """A stand-in item naming an answer: the rank's plan, its files, what it leaves to others."""
+    digest = xxhash.xxh3_128()
+    sent = plan.planner_data
+    if isinstance(sent, CompactSavePlan):
+        digest.update(sent.keys)
+        digest.update(sent.rows)
+    else:
+        digest.update(repr(plan.items).encode())
+    digest.update(repr((assignment, left.positions)).encode())
+    return WriteItem(MetadataIndex(f"dcp_ext answer {digest.hexdigest()}"), WriteItemType.BYTE_IO)
 
 
 def _sorted_once(cache: dict[frozenset[str], tuple[str, ...]], keys: set[str]) -> tuple[str, ...]:

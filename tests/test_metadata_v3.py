@@ -67,7 +67,9 @@ def _plans(world: int) -> list[SavePlan]:
 def test_global_plan_matches_torch_and_names_bad_chunks() -> None:
     world = 8
     plans = _plans(world)
-    dropped, metadata = create_global_save_plan(plans)
+    planned = create_global_save_plan(plans)
+    metadata = planned.metadata
+    dropped = [{plans[r].items[p].index for p in positions.tolist()} for r, positions in enumerate(planned.dropped)]
     _, torch_plans = None, DefaultSavePlanner(dedup_save_to_lowest_rank=False).create_global_plan(_plans(world))
     torch_metadata = torch_plans[1]
     assert metadata.state_dict_metadata.keys() == torch_metadata.state_dict_metadata.keys()
@@ -201,7 +203,7 @@ def _set_cell(document: dict, fqn: str, column: int, value: int) -> None:  # typ
 
     from dcp_ext.metadata.chunk_table import decode_table
 
-    table = decode_table(document["chunk_table"], document["chunk_table_codec"], document["chunk_table_bytes"], "t")
+    table = decode_table(document["chunk_table"], document["chunk_table_codec"], document["chunk_table_bytes"], "t").copy()
     first, rows = document["state_dict"][fqn]["table"]
     table[first + column * rows] = value
     document["chunk_table"] = base64.b64encode(zstandard.ZstdCompressor().compress(table.tobytes())).decode()
@@ -231,7 +233,7 @@ def test_v3_metadata_bytes_per_chunk_at_1024_ranks() -> None:
             rows = shape[0] // world
             items.append(_shard(fqn, shape, (r * rows,) + (0,) * (len(shape) - 1), (rows,) + shape[1:]))
         plans.append(SavePlan(items))
-    dropped, metadata = create_global_save_plan(plans)
+    metadata = create_global_save_plan(plans).metadata
     results: dict[MetadataIndex, StoredItem] = {}
     index_bytes = 0
     for r, plan in enumerate(plans):

@@ -30,6 +30,7 @@ from bench.scale_plans import Layout, dcp_ext_write_results, finish_plans, local
 from dcp_ext.layout import MeshInfo
 from dcp_ext import CheckpointReader
 from dcp_ext.metadata import METADATA_FILE
+from dcp_ext.compact_plan import compact_plan
 from dcp_ext.planners import LayoutSavePlanner
 from tests.support.dist import run_world
 
@@ -127,14 +128,16 @@ def world_plans(rank: int, world_size: int, root: str, tps: list[int]) -> dict[i
         mesh_info = MeshInfo.from_device_mesh(mesh) if tp > 1 else None
         planner = LayoutSavePlanner(mesh_info, None)
         planner.set_up_planner({"model": msd, "optimizer": osd}, None, rank == 0)
-        plans[tp] = planner.create_local_plan()
+        sent = planner.create_local_plan()  # what travels to the coordinator
+        plans[tp] = (planner.plan, sent)
         CheckpointManager(f"{root}/tp{tp}", mesh=mesh if tp > 1 else None).save("s", model, optim)
     return plans
 
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], tuple[list[Any], Path]]:
-    """(world size, tp) -> (every rank's real local plan, the real checkpoint).
+    """(world size, tp) -> (every rank's real local plan, as it keeps it and as
+    it sends it to the coordinator, and the real checkpoint).
 
     The two worlds run at the same time: their ranks spend most of their
     time importing torch and waiting in gloo, which overlaps well.
@@ -167,8 +170,9 @@ def _simulated_planner(layout: Layout) -> LayoutSavePlanner:
 def test_synthesized_plans_equal_real_local_plans(worlds: Any, world_size: int, tp: int) -> None:
     real, _ = worlds[(world_size, tp)]
     layout = Layout(world_size, tp)
-    for rank, real_plan in enumerate(real):
+    for rank, (real_plan, real_sent) in enumerate(real):
         synthesized = rank_save_plan(TINY, layout, rank)
+        assert real_sent.items == [] and real_sent.planner_data == compact_plan(synthesized), rank
         assert len(synthesized.items) == len(real_plan.items), rank
         for mine, theirs in zip(synthesized.items, real_plan.items):
             assert mine == theirs, (rank, mine, theirs)
@@ -176,7 +180,7 @@ def test_synthesized_plans_equal_real_local_plans(worlds: Any, world_size: int, 
         assert synthesized.storage_data is None and real_plan.storage_data is None
     if world_size == 4:
         # The uneven case is covered: 3 vocabulary rows leave a rank with none.
-        embeddings = [next(i for i in p.items if i.index.fqn == "model.tok_embeddings.weight") for p in real]
+        embeddings = [next(i for i in p.items if i.index.fqn == "model.tok_embeddings.weight") for p, _ in real]
         assert sorted(i.tensor_data.chunk.sizes[0] for i in embeddings) == [0, 1, 1, 1]
 
 

@@ -16,27 +16,31 @@ uncompressed), ``codec`` (``0``: none, else 1 + index into ``codecs``) and
 FSDP's columns are arithmetic or constant, so the table compresses to a few
 bytes per chunk.
 
-Decoding builds each chunk's ``ChunkStorageMetadata`` (planners need them all)
-and a lazy :class:`ChunkLocations` mapping, whose ``StoredItem`` objects are
-built only for the chunks a rank looks up.
+Decoding keeps the table as one int64 array: each tensor's chunks become a
+:class:`~dcp_ext.metadata.chunk_columns.ChunkColumns` over its columns
+(:func:`columns_of`, bounds checked on the arrays), and a lazy
+:class:`ChunkLocations` mapping builds ``StoredItem`` objects only for the
+chunks a rank looks up. No per-chunk Python object is built on decode: at 22
+million chunks (405B with Adam state saved by 8,192 ranks) they would cost
+every loading rank gigabytes and minutes.
 """
 
 from __future__ import annotations
 
 import base64
+import zlib
 from array import array
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
-import zlib
-
-import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+import numpy as np
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..errors import CheckpointCorruptError, UnsupportedCodecError
+from .chunk_columns import ChunkColumns
 from .document import MAX_FRAME_SIZE, StoredItem
 
-__all__ = ["ChunkLocations", "TableWriter", "decode_table", "read_key_rows"]
+__all__ = ["ChunkLocations", "TableWriter", "columns_of", "decode_table", "read_key_rows"]
 
 _ITEM_COLUMNS = 8
 _MAX_TABLE_BYTES = 1 << 34
@@ -84,8 +88,9 @@ class TableWriter:
         return base64.b64encode(packed).decode("ascii"), codec, len(raw)
 
 
-def decode_table(text: Any, codec: Any, raw_length: Any, where: str) -> array:  # type: ignore[type-arg]
-    """The document's chunk table as 64-bit integers.
+def decode_table(text: Any, codec: Any, raw_length: Any, where: str) -> np.ndarray:
+    """The document's chunk table as 64-bit integers (a read-only array over
+    the decompressed bytes: no copy).
 
     Raises:
         CheckpointCorruptError: It is not valid base64 / zstd / zlib, or its size is wrong.
@@ -118,101 +123,77 @@ def decode_table(text: Any, codec: Any, raw_length: Any, where: str) -> array:  
         raise CheckpointCorruptError(
             f"{where}: its chunk table holds {len(raw)} bytes, the document says {raw_length}", where
         )
-    values = array("q")
-    values.frombytes(raw)
-    if not _LITTLE:  # pragma: no cover
-        values.byteswap()
-    return values
+    values = np.frombuffer(raw, dtype="<i8")
+    return values if _LITTLE else values.astype(np.int64)
 
 
 def read_key_rows(
-    table: array, entry: Any, ndim: int, fqn: str, where: str  # type: ignore[type-arg]
-) -> tuple[int, list[array], list[array], list[array]]:  # type: ignore[type-arg]
-    """One key's rows: their count, offsets columns, sizes columns and item columns.
+    table: np.ndarray, entry: Any, ndim: int, fqn: str, where: str
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """One key's rows: their count, and its offsets, sizes and item columns
+    as ``(ndim, rows)``, ``(ndim, rows)`` and ``(8, rows)`` views of the table.
 
     Raises:
         CheckpointCorruptError: The ``table`` entry points outside the table.
     """
-    if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(v, int) and v >= 0 for v in entry)):
+    if not (isinstance(entry, list) and len(entry) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry
+    )):
         raise CheckpointCorruptError(f"{where}: key {fqn!r} has a malformed chunk table entry {entry!r}", where)
     first, rows = entry
     width = 2 * ndim + _ITEM_COLUMNS
     if first + rows * width > len(table):
         raise CheckpointCorruptError(f"{where}: key {fqn!r} points outside the chunk table", where)
-    columns = [table[first + c * rows : first + (c + 1) * rows] for c in range(width)]
-    return rows, columns[:ndim], columns[ndim : 2 * ndim], columns[2 * ndim :]
+    block = table[first : first + rows * width].reshape(width, rows)
+    return rows, block[:ndim], block[ndim : 2 * ndim], block[2 * ndim :]
 
 
-def chunks_of(
-    rows: int, offsets: list[array], sizes: list[array], shape: Sequence[int], fqn: str, where: str  # type: ignore[type-arg]
-) -> list[ChunkStorageMetadata]:
-    """The ``ChunkStorageMetadata`` of one tensor's rows, checked to lie inside ``shape``.
+def columns_of(
+    offsets: np.ndarray, sizes: np.ndarray, shape: Sequence[int], fqn: str, where: str
+) -> ChunkColumns:
+    """One tensor's chunks from its ``(ndim, rows)`` offsets and sizes columns,
+    checked to lie inside ``shape`` (on the arrays, not chunk by chunk).
 
     Raises:
         CheckpointCorruptError: A chunk lies outside the tensor.
     """
-    ndim = len(shape)
-    for d in range(ndim):
-        if rows and (
-            min(offsets[d]) < 0 or min(sizes[d]) < 0 or max(map(int.__add__, offsets[d], sizes[d])) > shape[d]
-        ):
+    if any(n >= 1 << 63 for n in shape):
+        raise CheckpointCorruptError(f"{where}: key {fqn!r} has an impossible size {list(shape)}", where)
+    if offsets.shape[1] and len(shape):
+        limit = np.array(shape, dtype=np.int64).reshape(-1, 1)
+        # ``offsets > limit - sizes``, not ``offsets + sizes > limit``: a
+        # hostile table's huge values must not overflow into passing.
+        if offsets.min() < 0 or sizes.min() < 0 or bool((offsets > limit - sizes).any()):
             raise CheckpointCorruptError(
                 f"{where}: a chunk of {fqn!r} lies outside the tensor's size {list(shape)}", where
             )
-    if ndim == 0:
-        return [_SCALAR_CHUNK] * rows
-    cache = _chunk_cache
-    found = []
-    for box in zip(zip(*(c.tolist() for c in offsets)), zip(*(c.tolist() for c in sizes))):
-        chunk = cache.get(box)
-        if chunk is None:
-            chunk = cache[box] = ChunkStorageMetadata(_size(box[0]), _size(box[1]))
-        found.append(chunk)
-    return found
-
-
-# Decoding shares equal chunk boxes (FSDP gives a parameter and its optimizer
-# states the same ones) and equal sizes: building them is most of a decode.
-# The cache lives for one decode (see ``chunk_box_cache``).
-_chunk_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkStorageMetadata] = {}
-_size_cache: dict[tuple[int, ...], torch.Size] = {}
-_SCALAR_CHUNK = ChunkStorageMetadata(torch.Size(()), torch.Size(()))
-
-
-def _size(values: tuple[int, ...]) -> torch.Size:
-    size = _size_cache.get(values)
-    if size is None:
-        size = _size_cache[values] = torch.Size(values)
-    return size
-
-
-def clear_chunk_cache() -> None:
-    """Forget the boxes shared within one decode."""
-    _chunk_cache.clear()
-    _size_cache.clear()
+    return ChunkColumns(offsets.T, sizes.T)
 
 
 class ChunkLocations(Mapping[MetadataIndex, StoredItem]):
     """Where each stored chunk lives, built item by item when first looked up.
 
     Keyed like DCP's ``Metadata.storage_data`` (``MetadataIndex`` of a key and
-    chunk offsets; ``None`` offsets for bytes values). Items with frame tables
+    chunk offsets; ``None`` offsets for bytes values). A look-up whose
+    ``index`` hint (the chunk's row, which DCP's and dcp_ext's load planners
+    set) names a row with those offsets costs one row's comparison; any other
+    look-up indexes that key's rows once. Items with frame tables
     (:meth:`attach`) replace the document's frameless ones.
     """
 
     def __init__(self, files: Sequence[str], codecs: Sequence[tuple[str, ...]], file_sizes: Sequence[int], where: str) -> None:
         self._files, self._codecs, self._sizes, self._where = files, codecs, file_sizes, where
-        # fqn -> (is a tensor, offsets columns, item columns)
-        self._keys: dict[str, tuple[bool, list[array], list[array]]] = {}  # type: ignore[type-arg]
+        # fqn -> (is a tensor, offsets columns (ndim, rows), item columns (8, rows))
+        self._keys: dict[str, tuple[bool, np.ndarray, np.ndarray]] = {}
         self._rows: dict[str, dict[tuple[int, ...], int]] = {}
         self._built: dict[tuple[str, int], StoredItem] = {}
         self._count = 0
         self.attached_files: set[str] = set()
 
-    def add_key(self, fqn: str, tensor: bool, offsets: list[array], items: list[array]) -> None:  # type: ignore[type-arg]
-        """Record one key's rows (offset columns and item columns)."""
+    def add_key(self, fqn: str, tensor: bool, offsets: np.ndarray, items: np.ndarray) -> None:
+        """Record one key's rows: its ``(ndim, rows)`` offsets and ``(8, rows)`` item columns."""
         self._keys[fqn] = (tensor, offsets, items)
-        self._count += len(items[0])
+        self._count += items.shape[1]
 
     @property
     def files(self) -> Sequence[str]:
@@ -224,22 +205,19 @@ class ChunkLocations(Mapping[MetadataIndex, StoredItem]):
         found: dict[int, list[tuple[str, int]]] = {f: [] for f in file_ids}
         if not found:
             return found
-        wanted = torch.tensor(sorted(found), dtype=torch.int64)
+        wanted = np.array(sorted(found), dtype=np.int64)
         for fqn, (_, _, items) in self._keys.items():
             column = items[0]
-            if not column:
-                continue
-            where = torch.frombuffer(column, dtype=torch.int64)
-            hits = torch.isin(where, wanted).nonzero().flatten().tolist()
-            for row in hits:
-                found[column[row]].append((fqn, row))
+            hits = np.flatnonzero(np.isin(column, wanted))
+            for row, file_id in zip(hits.tolist(), column[hits].tolist()):
+                found[file_id].append((fqn, row))
         return found
 
     def item_at(self, fqn: str, row: int) -> StoredItem:
         """The item of one row (with frame tables, if attached)."""
         item = self._built.get((fqn, row))
         if item is None:
-            item = self._built[(fqn, row)] = self._item(fqn, [c[row] for c in self._keys[fqn][2]])
+            item = self._built[(fqn, row)] = self._item(fqn, self._keys[fqn][2][:, row].tolist())
         return item
 
     def attach(self, attached: Sequence[tuple[tuple[str, int], StoredItem]], name: str) -> None:
@@ -250,26 +228,31 @@ class ChunkLocations(Mapping[MetadataIndex, StoredItem]):
 
     def index_of(self, fqn: str, row: int) -> MetadataIndex:
         tensor, offsets, _ = self._keys[fqn]
-        return MetadataIndex(fqn, [c[row] for c in offsets] if tensor else None)
+        return MetadataIndex(fqn, offsets[:, row].tolist(), row) if tensor else MetadataIndex(fqn)
 
     def __getitem__(self, index: MetadataIndex) -> StoredItem:
         fqn = index.fqn
         key = self._keys.get(fqn)
         if key is None:
             raise KeyError(index)
-        tensor, offsets, _ = key
+        tensor, offsets, items = key
         if not tensor:
             if index.offset is not None:
                 raise KeyError(index)
             return self.item_at(fqn, 0)
         if index.offset is None:
             raise KeyError(index)
-        rows = self._rows.get(fqn)
-        if rows is None:
-            rows = self._rows[fqn] = {o: k for k, o in enumerate(zip(*offsets))} if offsets else {(): 0}
-        row = rows.get(tuple(index.offset))
-        if row is None:
-            raise KeyError(index)
+        wanted = tuple(index.offset)
+        row = index.index
+        if not (isinstance(row, int) and 0 <= row < items.shape[1] and tuple(offsets[:, row].tolist()) == wanted):
+            rows = self._rows.get(fqn)
+            if rows is None:
+                rows = self._rows[fqn] = (
+                    {tuple(o): k for k, o in enumerate(offsets.T.tolist())} if len(offsets) else {(): 0}
+                )
+            row = rows.get(wanted)
+            if row is None:
+                raise KeyError(index)
         return self.item_at(fqn, row)
 
     def _item(self, fqn: str, row: list[int]) -> StoredItem:
@@ -294,8 +277,12 @@ class ChunkLocations(Mapping[MetadataIndex, StoredItem]):
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         for fqn, (tensor, offsets, items) in self._keys.items():
-            for row in range(len(items[0])):
-                yield MetadataIndex(fqn, [c[row] for c in offsets] if tensor else None)
+            if tensor:
+                for row, chunk_offsets in enumerate(offsets.T.tolist()):
+                    yield MetadataIndex(fqn, chunk_offsets, row)
+            else:
+                for _ in range(items.shape[1]):
+                    yield MetadataIndex(fqn)
 
     def __len__(self) -> int:
         return self._count

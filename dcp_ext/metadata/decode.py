@@ -9,7 +9,6 @@ described in :mod:`dcp_ext.metadata.document`.
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 from .._torch_format import dtype_from_name
 from ..errors import CheckpointCorruptError, UnsupportedCodecError
 from ..tagged_json import decode_tree
-from .chunk_table import ChunkLocations, chunks_of, clear_chunk_cache, decode_table, read_key_rows
+from .chunk_table import ChunkLocations, columns_of, decode_table, read_key_rows
 from .document import (
     DCP_VERSION,
     FORMAT,
@@ -40,9 +39,6 @@ from .document import (
 )
 
 __all__ = ["DecodedMetadata", "decode_metadata", "read_created"]
-
-_lock = threading.Lock()  # version-3 decodes share a cache of chunk boxes
-
 
 def _int_list(value: Any, what: str, where: str) -> list[int]:
     if not isinstance(value, list) or not all(
@@ -65,7 +61,8 @@ class DecodedMetadata:
     Attributes:
         metadata: DCP's metadata; its ``storage_data`` maps each chunk to its
             :class:`StoredItem` (version 3: a lazy :class:`ChunkLocations`
-            whose items get their frame tables from :func:`attach_frame_indexes`).
+            whose items get their frame tables from :func:`attach_frame_indexes`,
+            and each tensor's ``chunks`` is a :class:`ChunkColumns`).
         files: Size of each data file.
         world_size: Ranks that saved.
         created: Commit time.
@@ -115,11 +112,7 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
         )
     if version == 3:
         try:
-            with _lock:
-                try:
-                    return _decode_v3(doc, where)
-                finally:
-                    clear_chunk_cache()
+            return _decode_v3(doc, where)
         except (CheckpointCorruptError, UnsupportedCodecError):
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
@@ -252,16 +245,16 @@ def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
     for fqn, entry in doc["state_dict"].items():
         kind = entry["kind"]
         if kind == "bytes":
-            rows, _, _, columns = read_key_rows(table, entry["table"], 0, fqn, where)
+            rows, no_offsets, _, columns = read_key_rows(table, entry["table"], 0, fqn, where)
             if rows != 1:
                 raise CheckpointCorruptError(f"{where}: bytes value {fqn!r} has {rows} chunks", where)
             state_dict_metadata[fqn] = BytesStorageMetadata()
-            locations.add_key(fqn, False, [], columns)
+            locations.add_key(fqn, False, no_offsets, columns)
             continue
         if kind != "tensor":
             raise CheckpointCorruptError(f"{where}: key {fqn!r} has unknown kind {kind!r}", where)
         shape = _int_list(entry["size"], f"size of {fqn!r}", where)
-        rows, offsets, chunk_sizes, columns = read_key_rows(table, entry["table"], len(shape), fqn, where)
+        _, offsets, chunk_sizes, columns = read_key_rows(table, entry["table"], len(shape), fqn, where)
         try:
             dtype = dtype_from_name(entry["dtype"])
         except ValueError as err:
@@ -269,7 +262,8 @@ def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
         state_dict_metadata[fqn] = TensorStorageMetadata(
             properties=TensorProperties(dtype=dtype, requires_grad=bool(entry.get("requires_grad", False))),
             size=torch.Size(shape),
-            chunks=chunks_of(rows, offsets, chunk_sizes, shape, fqn, where),
+            # Columns, not objects: a loading rank plans on the arrays (dcp_ext.read_planning).
+            chunks=columns_of(offsets, chunk_sizes, shape, fqn, where),  # type: ignore[arg-type]
         )
         locations.add_key(fqn, True, offsets, columns)
     metadata = _metadata(doc, state_dict_metadata, locations)

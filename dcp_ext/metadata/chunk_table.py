@@ -31,7 +31,7 @@ import base64
 import zlib
 from array import array
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -40,7 +40,7 @@ from ..errors import CheckpointCorruptError, UnsupportedCodecError
 from .chunk_columns import ChunkColumns
 from .document import MAX_FRAME_SIZE, StoredItem
 
-__all__ = ["ChunkLocations", "TableWriter", "columns_of", "decode_table", "read_key_rows"]
+__all__ = ["ChunkLocations", "KeyTotals", "TableWriter", "columns_of", "decode_table", "read_key_rows"]
 
 _ITEM_COLUMNS = 8
 _MAX_TABLE_BYTES = 1 << 34
@@ -170,6 +170,19 @@ def columns_of(
     return ChunkColumns(offsets.T, sizes.T)
 
 
+class KeyTotals(NamedTuple):
+    """One key's items summed (:meth:`ChunkLocations.totals`)."""
+
+    chunks: int
+    data_bytes: int
+    raw_bytes: int
+    codecs: tuple[tuple[str, ...], ...]
+
+
+# Sums of a key's lengths stay exact in int64 below this per item (2^48 B = 256 TiB).
+_MAX_ITEM_BYTES = 1 << 48
+
+
 class ChunkLocations(Mapping[MetadataIndex, StoredItem]):
     """Where each stored chunk lives, built item by item when first looked up.
 
@@ -211,6 +224,28 @@ class ChunkLocations(Mapping[MetadataIndex, StoredItem]):
             hits = np.flatnonzero(np.isin(column, wanted))
             for row, file_id in zip(hits.tolist(), column[hits].tolist()):
                 found[file_id].append((fqn, row))
+        return found
+
+    def totals(self) -> dict[str, KeyTotals]:
+        """Per key: its chunks, stored data bytes, raw bytes and codecs, summed
+        on the columns without building items (tools: ``inspect``, ``ls``).
+
+        Raises:
+            CheckpointCorruptError: A length or codec is impossible.
+        """
+        found: dict[str, KeyTotals] = {}
+        for fqn, (_, _, items) in self._keys.items():
+            data_length, raw_length, codec = items[4], items[5], items[6]
+            raw = np.where(codec > 0, raw_length, data_length)
+            if len(codec) and (
+                min(data_length.min(), raw.min(), codec.min()) < 0
+                or max(data_length.max(), raw.max()) >= _MAX_ITEM_BYTES
+                or codec.max() > len(self._codecs)
+            ):
+                raise CheckpointCorruptError(f"{self._where}: an item of {fqn!r} has an impossible length or codec",
+                                             self._where)
+            codecs = tuple(self._codecs[c - 1] if c else () for c in np.unique(codec).tolist())
+            found[fqn] = KeyTotals(len(codec), int(data_length.sum()), int(raw.sum()), codecs)
         return found
 
     def item_at(self, fqn: str, row: int) -> StoredItem:

@@ -89,16 +89,17 @@ def export_partial(
         key = chosen[index][1]
         md = tensors[key]
         dest = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        # The row as the index hint: version-3 look-ups then index no key's rows.
         items = [
             ReadItem(
                 type=LoadItemType.TENSOR,
                 dest_index=MetadataIndex(key, chunk.offsets),
                 dest_offsets=chunk.offsets,
-                storage_index=MetadataIndex(key, chunk.offsets),
+                storage_index=MetadataIndex(key, chunk.offsets, row),
                 storage_offsets=torch.Size((0,) * len(chunk.offsets)),
                 lengths=chunk.sizes,
             )
-            for chunk in md.chunks
+            for row, chunk in enumerate(md.chunks)
         ]
         reader.read_data(LoadPlan(items), cast(LoadPlanner, _IntoTensor(dest)))
         return dest

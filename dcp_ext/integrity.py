@@ -17,17 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .metadata.chunk_table import ChunkLocations
 from .metadata.frame_index import attach_frame_indexes
-from .metadata import METADATA_FILE, DecodedMetadata, StoredItem, chunk_shapes, decode_metadata
+from .metadata import METADATA_FILE, DecodedMetadata, StoredItem, decode_metadata
 from ._ranges import Piece, plan_requests
 from ._torch_format import torch_save_envelope
 from .config import IOConfig
 from .errors import CheckpointNotFoundError, DcpExtError
 from .frames import FrameSpan, frame_fault, frame_table
+from .read_planning import ChunkShapes
 from .reader import CheckpointReader
 from .storage import Store, normalize_path, open_store
 
@@ -239,7 +239,7 @@ def verify(
     # torch.save envelope around an uncompressed tensor (index -1).
     batch: list[tuple[MetadataIndex, StoredItem, FrameSpan, memoryview, Callable[[memoryview], str]]] = []
     batch_bytes = 0
-    chunks = chunk_shapes(decoded.metadata)
+    chunks = ChunkShapes(decoded.metadata.state_dict_metadata)
 
     def run_batch() -> None:
         nonlocal done, frames, batch_bytes
@@ -298,7 +298,7 @@ def verify(
 def _envelope_regions(
     index: MetadataIndex,
     item: StoredItem,
-    chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]],
+    chunks: ChunkShapes,
 ) -> list[tuple[FrameSpan, bytes]]:
     """The envelope bytes before and after an uncompressed tensor's data, and
     what they must be (the envelope is a pure function of dtype and shape)."""
@@ -306,7 +306,7 @@ def _envelope_regions(
     suffix_len = item.length - item.data_offset - item.data_length
     if item.transforms or (prefix_len == 0 and suffix_len == 0):
         return []
-    shape = chunks.get((index.fqn, tuple(index.offset or ())))
+    shape = chunks.of(index)
     if shape is None:
         return []
     envelope = torch_save_envelope(shape[0], shape[1])

@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     MetadataIndex,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -31,6 +30,8 @@ from .layout import (
     MeshInfo,
     Partition,
 )
+from .metadata.chunk_columns import ChunkColumns
+from .read_planning import match_chunk, read_items_for_columns
 
 __all__ = ["LayoutLoadPlanner"]
 
@@ -53,11 +54,14 @@ class LayoutLoadPlanner(DefaultLoadPlanner):
       different dtype (unless ``allow_dtype_cast``), a tensor/non-tensor
       mismatch, or a destination shard the saved chunks do not cover.
 
-    Resharding itself is DCP's overlap computation (a sweep over the saved
-    chunks, near-linear in their number). When ``partition`` shows the
-    checkpoint was saved by the same world size and mesh, each tensor whose
-    local shard equals a saved chunk is read from that chunk directly, with
-    no overlap computation (SageMaker's ``same_partition_load``).
+    Resharding itself is DCP's overlap computation: on version-3 metadata,
+    whose chunks are columns (:class:`~dcp_ext.metadata.chunk_columns.ChunkColumns`),
+    done with numpy by :func:`dcp_ext.read_planning.read_items_for_columns`
+    (the same read items as DCP's, without a Python object per saved chunk);
+    otherwise DCP's own sweep over the chunk objects. When ``partition``
+    shows the checkpoint was saved by the same world size and mesh, each
+    tensor whose local shard equals a saved chunk is read from that chunk
+    directly, with no overlap computation (SageMaker's ``same_partition_load``).
 
     Non-tensor values are unpickled with ``weights_only=True``: a checkpoint
     cannot run code on load.
@@ -166,7 +170,7 @@ class LayoutLoadPlanner(DefaultLoadPlanner):
                     )
                 log.warning("ignoring checkpoint keys the state dict does not take: %s",
                             _preview(list(self.unexpected_keys)))
-        fast = self._saved_chunks() if self.same_partition else None
+        fast = self.same_partition
         requests: list[ReadItem] = []
         for fqn, obj in wanted.items():
             if fqn not in saved:
@@ -177,22 +181,7 @@ class LayoutLoadPlanner(DefaultLoadPlanner):
             requests += self._plan_key(fqn, md, obj, fast)
         return LoadPlan(requests)
 
-    def _saved_chunks(self) -> dict[tuple[str, tuple[int, ...]], tuple[int, ...]]:
-        assert self.metadata is not None
-        chunks: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
-        for fqn, md in self.metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                for chunk in md.chunks:
-                    chunks[(fqn, tuple(chunk.offsets))] = tuple(chunk.sizes)
-        return chunks
-
-    def _plan_key(
-        self,
-        fqn: str,
-        md: Any,
-        obj: Any,
-        fast: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] | None,
-    ) -> list[ReadItem]:
+    def _plan_key(self, fqn: str, md: Any, obj: Any, fast: bool) -> list[ReadItem]:
         is_tensor = isinstance(obj, torch.Tensor)
         if isinstance(md, BytesStorageMetadata):
             if is_tensor:
@@ -220,24 +209,28 @@ class LayoutLoadPlanner(DefaultLoadPlanner):
             local_chunks = _create_chunk_list(obj)
         except Exception as err:
             raise ReshardError(f"cannot load {fqn!r} into a {type(obj).__name__}: {err}") from err
-        if fast is not None and len(local_chunks) == 1:
+        if fast and len(local_chunks) == 1:
             chunk = local_chunks[0]
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            if fast.get((fqn, offsets)) == sizes:
+            row = match_chunk(md.chunks, offsets, sizes)
+            if row is not None:
                 self.fast_path_keys += 1
                 if not all(sizes):
                     return []
                 return [
                     ReadItem(
                         type=LoadItemType.TENSOR,
-                        dest_index=MetadataIndex(fqn, offsets),
+                        dest_index=MetadataIndex(fqn, offsets, 0),
                         dest_offsets=torch.Size((0,) * len(offsets)),
-                        storage_index=MetadataIndex(fqn, offsets),
+                        storage_index=MetadataIndex(fqn, offsets, row),
                         storage_offsets=torch.Size((0,) * len(offsets)),
                         lengths=torch.Size(sizes),
                     )
                 ]
-        items = create_read_items_for_chunk_list(fqn, md, local_chunks)
+        if isinstance(md.chunks, ChunkColumns):
+            items = read_items_for_columns(fqn, md.chunks, local_chunks)
+        else:
+            items = create_read_items_for_chunk_list(fqn, md, local_chunks)
         needed = sum(_volume(c.sizes) for c in local_chunks)
         covered = sum(_volume(item.lengths) for item in items)
         if covered < needed:

@@ -40,7 +40,6 @@ from .metadata import (
     METADATA_FILE,
     TORCH_METADATA_FILE,
     StoredItem,
-    chunk_shapes,
     decode_metadata,
     load_torch_metadata,
     validate_file_name,
@@ -58,6 +57,7 @@ from .config import IOConfig, usable_cores
 from .frames import FrameReader, FrameStats, FrameTable, FrameWork, frame_table
 from .layout import NEWEST_FILE, PARTIAL_SUFFIX
 from .read_once import GroupSeen, RankExchange, Receive, Send, plan_read_once
+from .read_planning import ChunkShapes
 from .errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
@@ -186,7 +186,7 @@ class CheckpointReader(StorageReader):
         self.path = normalize_path(path)
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, Any] = {}
-        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._chunks = ChunkShapes({})
         self._frame_indexes: dict[str, FrameIndexRef] = {}
         #: Set by dcp_ext's loads, which call ``read_metadata`` on every rank of
         #: this group (a 1-tuple; ``(None,)`` is the default group): the
@@ -230,7 +230,7 @@ class CheckpointReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
         self._frame_indexes = {}
-        self._chunks = {}
+        self._chunks = ChunkShapes({})
         self._tables = {}
         self._frames = FrameReader()
 
@@ -349,11 +349,12 @@ class CheckpointReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        """(all ranks) Index where every stored chunk lives."""
+        """(all ranks) Take the map of where every stored chunk lives (looked
+        up per read item: nothing here walks every chunk)."""
         if metadata.storage_data is None:
             raise CheckpointCorruptError(f"metadata of {self.path} has no storage map", self.path)
         self.storage_data = metadata.storage_data
-        self._chunks = chunk_shapes(metadata)
+        self._chunks = ChunkShapes(metadata.state_dict_metadata)
         rank = kwargs.get("rank")
         self._dcp_rank = rank if isinstance(rank, int) else None
 
@@ -391,7 +392,7 @@ class CheckpointReader(StorageReader):
             return None  # torch-format items, or inconsistent metadata (the read says so)
         if item.type == LoadItemType.BYTE_IO:
             return info.raw_size if info.raw_size <= _MAX_BYTES_ITEM else None
-        chunk = self._chunks.get(_chunk_key(item))
+        chunk = self._chunks.of(item.storage_index)
         if chunk is None:
             return None
         return _numel(tuple(int(n) for n in item.lengths)) * chunk[0].itemsize
@@ -400,7 +401,7 @@ class CheckpointReader(StorageReader):
         """Rows of the item's chunk per frame, when frames hold whole rows
         and the item spans whole rows (cuts there share no frame); else 1."""
         info = self.storage_data.get(item.storage_index)
-        chunk = self._chunks.get(_chunk_key(item))
+        chunk = self._chunks.of(item.storage_index)
         if not isinstance(info, StoredItem) or not info.frame_size or chunk is None:
             return 1
         dtype, sizes = chunk
@@ -625,14 +626,14 @@ class CheckpointReader(StorageReader):
 
     def _chunk(self, read_item: ReadItem) -> tuple[torch.dtype, tuple[int, ...]]:
         """Dtype and shape of the stored chunk a read item reads from."""
-        key = _chunk_key(read_item)
-        try:
-            return self._chunks[key]
-        except KeyError:
+        index = read_item.storage_index
+        found = self._chunks.of(index)
+        if found is None:
             raise CheckpointCorruptError(
-                f"checkpoint {self.path}: no chunk of {key[0]!r} at offset {key[1]} in metadata",
+                f"checkpoint {self.path}: no chunk of {index.fqn!r} at offset {tuple(index.offset or ())} in metadata",
                 self.path,
-            ) from None
+            )
+        return found
 
     def _target(self, read_item: ReadItem, planner: LoadPlanner, lengths: tuple[int, ...]) -> torch.Tensor:
         """The destination slice of a read item, checked against its lengths."""
@@ -765,11 +766,6 @@ class CheckpointReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
-
-
-def _chunk_key(item: ReadItem) -> tuple[str, tuple[int, ...]]:
-    """The ``(key, chunk offset)`` of the stored chunk a read item reads from."""
-    return (item.storage_index.fqn, tuple(item.storage_index.offset or ()))
 
 
 def _lands_directly(target: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -68,33 +68,46 @@ def read_items_for_columns(
     count = len(local_chunks)
     local_offsets = np.array([tuple(c.offsets) for c in local_chunks], dtype=np.int64).reshape(count, ndim)
     local_ends = local_offsets + np.array([tuple(c.sizes) for c in local_chunks], dtype=np.int64).reshape(count, ndim)
-    saved_offsets = saved.offsets
-    saved_ends = saved_offsets + saved.sizes
+    # Column by column: numpy reduces an (n, 2) array along its short axis
+    # ~20x slower than it compares two length-n columns.
+    saved_offsets = [saved.offsets[:, d] for d in range(ndim)]
+    saved_ends = [saved.offsets[:, d] + saved.sizes[:, d] for d in range(ndim)]
     sweep = _torch_sweeps() and ndim > 0
+    sweep_dim: int | None = None
+
+    def sweep_along() -> int:
+        # torch sweeps along the first dimension of the largest extent.
+        nonlocal sweep_dim
+        if sweep_dim is None:
+            extents = [max(int(saved_ends[d].max()), int(local_ends[:, d].max())) for d in range(ndim)]
+            sweep_dim = extents.index(max(extents))
+        return sweep_dim
+
     order: Sequence[int] = range(count)
-    sweep_dim = 0
-    if sweep:
-        # torch sweeps along the first dimension of the largest extent, taking
-        # local chunks by start and, per local chunk, saved ones by end.
-        if ndim > 1:
-            sweep_dim = int(np.argmax(np.maximum(saved_ends.max(axis=0), local_ends.max(axis=0))))
-        order = np.argsort(local_offsets[:, sweep_dim], kind="stable").tolist()
+    if sweep and count > 1:  # torch takes local chunks by start along the sweep dimension
+        order = np.argsort(local_offsets[:, sweep_along()], kind="stable").tolist()
+    every = np.arange(len(saved))
     items: list[ReadItem] = []
     for local in order:
         start, end = local_offsets[local], local_ends[local]
-        if ndim:
-            hits = np.flatnonzero(((start < saved_ends) & (saved_offsets < end)).all(axis=1))
-        else:
-            hits = np.arange(len(saved))
+        hits = every
+        for d in range(ndim):  # the rows overlapping in every dimension so far
+            if len(hits) == len(saved):
+                hits = np.flatnonzero((start[d] < saved_ends[d]) & (saved_offsets[d] < end[d]))
+            else:
+                hits = hits[(start[d] < saved_ends[d][hits]) & (saved_offsets[d][hits] < end[d])]
+            if not len(hits):
+                break
         if not len(hits):
             continue
-        if sweep and len(hits) > 1:
-            hits = hits[np.argsort(saved_ends[hits, sweep_dim], kind="stable")]
-        hit_offsets = saved_offsets[hits]
+        if sweep and len(hits) > 1:  # and saved chunks by end along it
+            hits = hits[np.argsort(saved_ends[sweep_along()][hits], kind="stable")]
+        hit_offsets = saved.offsets[hits]
+        hit_ends = hit_offsets + saved.sizes[hits]
         after = hit_offsets > start
         storage_offsets = np.where(after, 0, start - hit_offsets)
         dest_offsets = np.where(after, hit_offsets - start, 0)
-        lengths = np.minimum(saved_ends[hits], end) - np.maximum(hit_offsets, start)
+        lengths = np.minimum(hit_ends, end) - np.maximum(hit_offsets, start)
         dest_index = MetadataIndex(fqn, local_chunks[local].offsets, local)
         for row, offsets, into, at, length in zip(
             hits.tolist(), hit_offsets.tolist(), dest_offsets.tolist(), storage_offsets.tolist(), lengths.tolist()
@@ -143,9 +156,9 @@ def match_chunk(chunks: Sequence[ChunkStorageMetadata], offsets: Sequence[int], 
             return None
         if not offsets:
             return 0
-        found = np.flatnonzero(
-            ((chunks.offsets == np.array(offsets)) & (chunks.sizes == np.array(sizes))).all(axis=1)
-        )
+        found = np.flatnonzero(chunks.offsets[:, 0] == offsets[0])
+        for d in range(len(offsets)):  # column by column (see read_items_for_columns)
+            found = found[(chunks.offsets[found, d] == offsets[d]) & (chunks.sizes[found, d] == sizes[d])]
         return int(found[0]) if len(found) else None
     for row, chunk in enumerate(chunks):
         if tuple(chunk.offsets) == offsets and tuple(chunk.sizes) == sizes:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata
 
 from dcp_ext.metadata import StoredItem
 
@@ -55,6 +55,8 @@ from .scale_report import render_markdown
 __all__ = [
     "EncodedMetadata",
     "finish_data_file",
+    "pack_rank_results",
+    "collect_dcp_ext",
     "encode_dcp_ext",
     "decode_dcp_ext",
     "attach_dcp_ext_indexes",
@@ -145,7 +147,25 @@ def finish_data_file(name: str, items: list[StoredItem]) -> tuple[list[StoredIte
     return [replace(item, frame_lengths=(), checksums=(), indexed=True, frame_index=ref) for item in items], index
 
 
-def encode_dcp_ext(metadata: Metadata, items: dict[MetadataIndex, StoredItem], world_size: int) -> bytes:
+def pack_rank_results(positions: list[int], stored: list[StoredItem]) -> list[Any]:
+    """(each rank, ``CheckpointWriter.write_data``) The rank's write results as
+    it reports them: packed into one (version 3), else one per item."""
+
+    if metadata_version() < 3:
+        raise ValueError("packed write results need metadata version 3")
+    from dcp_ext.write_results import pack_results
+
+    return pack_results(positions, stored)
+
+
+def collect_dcp_ext(metadata: Metadata, results: list[list[Any]]) -> Any:
+    """(coordinator, ``CheckpointWriter.finish``) Where every chunk went."""
+    from dcp_ext.write_results import collect_stored
+
+    return collect_stored(metadata, results)
+
+
+def encode_dcp_ext(metadata: Metadata, items: Any, world_size: int) -> bytes:
     """(coordinator, ``CheckpointWriter.finish``) The metadata document for the
     writers' results (``items``, each as :func:`finish_data_file` returned it)."""
     from dcp_ext.metadata import encode_metadata

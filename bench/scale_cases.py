@@ -45,16 +45,20 @@ from .scale import (
     Case,
     EncodedMetadata,
     attach_dcp_ext_indexes,
+    collect_dcp_ext,
     decode_dcp_ext,
     encode_dcp_ext,
     finish_data_file,
+    pack_rank_results,
 )
 from .scale_plans import (
     Layout,
     dcp_ext_write_results,
     finish_plans,
+    iter_final_plans,
     load_state_dict,
     rank_save_plan,
+    rank_sent_plan,
     torch_write_results,
 )
 
@@ -163,16 +167,19 @@ def _gc_off_between_steps() -> Iterator[None]:
 
 
 def _synthesize(case: Case, clock: _Clock) -> tuple[Any, Layout, list[Any]]:
-    """Every rank's local plan (the GC is off: this is not part of any system's cost)."""
+    """Every rank's local plan as the coordinator receives it: dcp_ext's
+    compact plans, torch's ``WriteItem`` lists (the GC is off: this is not
+    part of any system's cost)."""
     torch.set_num_threads(1)
     shape, layout = MODELS[case.model], Layout(case.ranks, case.tp)
     every = max(1, layout.ranks // 16)
+    make = rank_sent_plan if case.system == "dcp_ext" else rank_save_plan
     with clock.step(SYNTHESIS):
         plans = []
         for rank in range(layout.ranks):
             if rank and rank % every == 0:  # where it stopped, if memory runs out
                 clock.emit(phase=f"{SYNTHESIS}: {rank:,} of {layout.ranks:,} ranks")
-            plans.append(rank_save_plan(shape, layout, rank))
+            plans.append(make(shape, layout, rank))
     # Untimed: move the plans to the oldest generation, as a long-lived
     # coordinator's unpickled plans would be, before the GC policy applies.
     gc.collect()
@@ -210,22 +217,27 @@ def _storage_meta(case: Case) -> StorageMeta:
 def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
     clock = _Clock(emit, case)
     shape, layout, plans = _synthesize(case, clock)
-    out: dict[str, Any] = {"write_items": sum(len(p.items) for p in plans)}
+    out: dict[str, Any] = {"write_items": sum(len(p.planner_data) if not p.items else len(p.items) for p in plans)}
     if case.system == "dcp_ext":
         from dcp_ext.metadata import to_torch_metadata
 
         planner = _dcp_ext_save_planner(layout)
         global_plans, metadata = clock.timed("global plan", lambda: planner.create_global_plan(plans))
-        # The ranks' side (not timed): finish their plans, write, report.
-        final = finish_plans(lambda: _dcp_ext_save_planner(layout), plans, global_plans)
-        written = dcp_ext_write_results(shape, final, finish_data_file)
-        # The coordinator keeps the metadata (whose chunks are the plans'), not the plans.
-        del plans, global_plans, final
+        del plans  # the coordinator drops the gathered plans once planned (as in dcp.save)
+        # The ranks' side (not timed), one rank at a time: rebuild its local
+        # plan (each rank keeps its own), finish it, write, report.
+        ranks_final = iter_final_plans(
+            lambda: _dcp_ext_save_planner(layout),
+            (rank_save_plan(shape, layout, rank) for rank in range(layout.ranks)),
+            global_plans,
+        )
+        written = dcp_ext_write_results(shape, ranks_final, finish_data_file, pack_rank_results)
+        del global_plans
         results = written.results
 
-        def finish() -> tuple[dict[Any, Any], bytes]:
-            # CheckpointWriter.finish: the write results keyed by item, then the document.
-            items = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        def finish() -> tuple[Any, bytes]:
+            # CheckpointWriter.finish: where every chunk went, then the document.
+            items = collect_dcp_ext(metadata, results)
             metadata.storage_data = items
             metadata.storage_meta = _storage_meta(case)
             return items, encode_dcp_ext(metadata, items, case.ranks)
@@ -239,8 +251,8 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
         )
         out.update(
             frames=written.frames,
-            data_bytes=sum(item.data_length for item in items.values()),
-            files=len({item.relative_path for item in items.values()}),
+            data_bytes=int(items.rows[:, 4].sum()),
+            files=len(items.files),
             interop_bytes=len(interop),
             partition_bytes=len(partition),
             global_bytes=len(global_bytes),

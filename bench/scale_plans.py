@@ -35,7 +35,7 @@ are split by FSDP2 alone (replicated over TP).
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -58,9 +58,12 @@ __all__ = [
     "local_chunk",
     "rank_state_keys",
     "rank_save_plan",
+    "rank_sent_plan",
     "save_plans",
     "finish_plans",
+    "iter_final_plans",
     "FinishFile",
+    "PackResults",
     "WrittenFiles",
     "dcp_ext_write_results",
     "torch_write_results",
@@ -218,6 +221,15 @@ def rank_save_plan(shape: ModelShape, layout: Layout, rank: int) -> SavePlan:
     return SavePlan(items, planner_data=mapping)
 
 
+def rank_sent_plan(shape: ModelShape, layout: Layout, rank: int) -> SavePlan:
+    """What ``LayoutSavePlanner.create_local_plan`` sends the coordinator from
+    ``rank``: an item-less plan carrying the :class:`~dcp_ext.compact_plan.CompactSavePlan`
+    of :func:`rank_save_plan` (the rank keeps its items)."""
+    from dcp_ext.compact_plan import compact_plan
+
+    return SavePlan([], planner_data=compact_plan(rank_save_plan(shape, layout, rank)))
+
+
 def save_plans(shape: ModelShape, layout: Layout) -> list[SavePlan]:
     """Every rank's local plan: what the coordinator's ``create_global_plan`` gets."""
     return [rank_save_plan(shape, layout, rank) for rank in range(layout.ranks)]
@@ -266,18 +278,25 @@ def finish_plans(planner_type: Callable[[], DefaultSavePlanner], local_plans: li
     A rank's planner holds the plan its ``create_local_plan`` made (DCP's
     ``SavePlanner.plan``); a fresh planner is given that plan here.
     """
-    final = []
+    return list(iter_final_plans(planner_type, local_plans, global_plans))
+
+
+def iter_final_plans(planner_type: Callable[[], DefaultSavePlanner], local_plans: Iterable[SavePlan],
+                     global_plans: list[SavePlan]) -> Iterator[SavePlan]:
+    """:func:`finish_plans` one rank at a time (``local_plans`` may be a generator)."""
     for local, answer in zip(local_plans, global_plans):
         planner = planner_type()
         planner.plan = local  # what create_local_plan leaves behind
-        final.append(planner.finish_plan(answer))
-    return final
+        yield planner.finish_plan(answer)
 
 
 #: What a writer does when a data file's items are written: returns the items
 #: as the writer reports them and the bytes it appends to the file (metadata
 #: version 3: the file's frame index; see ``bench.scale.finish_data_file``).
 FinishFile = Callable[[str, list[StoredItem]], tuple[list[StoredItem], bytes]]
+#: What a writer reports for a rank's stored items (by position in its final
+#: plan) when it packs them into one result (``bench.scale.pack_rank_results``).
+PackResults = Callable[[list[int], list[StoredItem]], list[WriteResult]]
 
 
 @dataclass(frozen=True)
@@ -295,13 +314,15 @@ class WrittenFiles:
     frames: int
 
 
-def dcp_ext_write_results(shape: ModelShape, final_plans: list[SavePlan],
-                          finish_file: FinishFile | None = None) -> WrittenFiles:
+def dcp_ext_write_results(shape: ModelShape, final_plans: Iterable[SavePlan],
+                          finish_file: FinishFile | None = None, pack: PackResults | None = None) -> WrittenFiles:
     """What each rank's :class:`dcp_ext.CheckpointWriter` (default settings:
     uncompressed, 1 MiB frames, one file per kind) reports for its final plan
     (:func:`finish_plans`): items in plan order per file, each inside its
     ``torch.save`` envelope, one checksum per frame; then ``finish_file``
-    on each file's items (none: the items as ``FrameEncoder`` made them)."""
+    on each file's items (none: the items as ``FrameEncoder`` made them),
+    and ``pack`` on the rank's results (none: one ``WriteResult`` per item).
+    ``final_plans`` may be a generator: one rank's plan is held at a time."""
     byte_lengths = _bytes_lengths(tuple(p.fqn for p in shape.params()))
     results: list[list[WriteResult]] = []
     file_indexes: dict[str, bytes] = {}
@@ -310,6 +331,9 @@ def dcp_ext_write_results(shape: ModelShape, final_plans: list[SavePlan],
         assignment = plan.storage_data
         if not isinstance(assignment, FileAssignment):
             raise TypeError("dcp_ext_write_results needs plans that LayoutSavePlanner assigned files to")
+        position_of = {id(item): k for k, item in enumerate(plan.items)}
+        positions: list[int] = []
+        rank_stored: list[StoredItem] = []
         rank_results = []
         for name, items in assignment.files_for(list(plan.items), 1):
             position = 0
@@ -325,9 +349,13 @@ def dcp_ext_write_results(shape: ModelShape, final_plans: list[SavePlan],
                 position += length
             if finish_file is not None:
                 stored_items, file_indexes[name] = finish_file(name, stored_items)
-            rank_results += [WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored)
-                             for item, stored in zip(items, stored_items)]
-        results.append(rank_results)
+            if pack is not None:
+                positions += [position_of[id(item)] for item in items]
+                rank_stored += stored_items
+            else:
+                rank_results += [WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored)
+                                 for item, stored in zip(items, stored_items)]
+        results.append(pack(positions, rank_stored) if pack is not None else rank_results)
     return WrittenFiles(results, file_indexes, frames)
 
 

@@ -69,16 +69,18 @@ class CompactSavePlan:
     Attributes:
         keys: zlib-compressed JSON list of the plan's keys
             (:class:`KeyEntry` fields, in order of first use).
-        rows: One row per write item, in plan order, of ``width`` integers:
-            the key's position in ``keys``, then ``(width - 1) // 2`` chunk
-            offsets and as many chunk sizes (padded with offset 0, size 1
-            beyond the key's dimensions).
+        rows: zlib-compressed, one row per write item, in plan order, of
+            ``width`` integers: the key's position in ``keys``, then
+            ``(width - 1) // 2`` chunk offsets and as many chunk sizes (padded
+            with offset 0, size 1 beyond the key's dimensions).
+        count: Rows.
         width: Integers per row.
         wide: Rows are int64 (else int32).
     """
 
     keys: bytes
     rows: bytes
+    count: int
     width: int
     wide: bool
 
@@ -97,14 +99,17 @@ class CompactSavePlan:
 
     def row_array(self) -> np.ndarray:
         """The rows as an ``(items, width)`` array (int32 or int64)."""
-        dtype = np.int64 if self.wide else np.int32
-        flat = np.frombuffer(self.rows, dtype=dtype)
-        if flat.size % self.width:
-            raise ValueError(f"a compact save plan's rows ({flat.size} integers) are not rows of {self.width}")
-        return flat.reshape(-1, self.width)
+        try:
+            raw = zlib.decompress(self.rows)
+        except zlib.error as err:
+            raise ValueError(f"a compact save plan's rows are corrupt: {err}") from err
+        flat = np.frombuffer(raw, dtype=np.int64 if self.wide else np.int32)
+        if self.width < 1 or flat.size != self.count * self.width:
+            raise ValueError(f"a compact save plan's rows hold {flat.size} integers, not {self.count} rows of {self.width}")
+        return flat.reshape(self.count, self.width)
 
     def __len__(self) -> int:
-        return len(self.rows) // ((8 if self.wide else 4) * self.width)
+        return self.count
 
     def write_items(self) -> list[WriteItem]:
         """The plan's ``WriteItem`` list again (tests, and planners that need items)."""
@@ -142,14 +147,11 @@ def compact_plan(plan: SavePlan) -> CompactSavePlan:
     entries: list[list[Any]] = []
     position: dict[str, int] = {}
     mapping = plan.planner_data if isinstance(plan.planner_data, dict) else {}
-    dims = 0
+    dims = max((len(i.tensor_data.size) for i in plan.items if i.tensor_data is not None), default=0)
+    scalar = [0] * dims + [1] * dims  # a bytes value's (or padding's) offsets and sizes
+    pads: dict[int, tuple[list[int], list[int]]] = {n: ([0] * (dims - n), [1] * (dims - n)) for n in range(dims + 1)}
+    rows: list[list[int]] = []
     for item in plan.items:
-        if item.tensor_data is not None:
-            dims = max(dims, len(item.tensor_data.size))
-    width = 1 + 2 * dims
-    rows = np.zeros((len(plan.items), width), dtype=np.int64)
-    rows[:, 1 + dims :] = 1
-    for i, item in enumerate(plan.items):
         fqn = item.index.fqn
         data = item.tensor_data
         at = position.get(fqn)
@@ -172,22 +174,25 @@ def compact_plan(plan: SavePlan) -> CompactSavePlan:
             )
             if not same:
                 raise ValueError(f"save plan item {fqn!r} disagrees with an earlier item of the same key")
-        rows[i, 0] = at
-        if data is not None:
-            chunk = data.chunk
-            if chunk is None:
-                raise ValueError(f"save plan item {fqn!r} is a tensor write item without its chunk bounds")
-            n = len(chunk.offsets)
-            rows[i, 1 : 1 + n] = chunk.offsets
-            rows[i, 1 + dims : 1 + dims + n] = chunk.sizes
+        if data is None:
+            rows.append([at, *scalar])
+            continue
+        chunk = data.chunk
+        if chunk is None:
+            raise ValueError(f"save plan item {fqn!r} is a tensor write item without its chunk bounds")
+        zeros, ones = pads[len(chunk.offsets)]
+        rows.append([at, *chunk.offsets, *zeros, *chunk.sizes, *ones])
     for fqn, path in mapping.items():
         if fqn not in position:
             position[fqn] = len(entries)
             entries.append([fqn, NO_ITEM, None, False, None, _json_path(path)])
-    wide = bool(rows.size) and (int(rows.min()) < _INT32.min or int(rows.max()) > _INT32.max)
-    table = rows if wide else rows.astype(np.int32)
+    width = 1 + 2 * dims
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), width)
+    wide = bool(table.size) and (int(table.min()) < _INT32.min or int(table.max()) > _INT32.max)
+    if not wide:
+        table = table.astype(np.int32)
     keys = zlib.compress(json.dumps(entries, separators=(",", ":")).encode(), 1)
-    return CompactSavePlan(keys=keys, rows=table.tobytes(), width=width, wide=wide)
+    return CompactSavePlan(keys=keys, rows=zlib.compress(table.tobytes(), 1), count=len(rows), width=width, wide=wide)
 
 
 def decode_keys(blob: bytes) -> list[KeyEntry]:

@@ -76,7 +76,9 @@ class ChunkWriters:
             per chunk, in the order of the key's ``ChunkColumns``; one row
             for a bytes value).
         ranks: Per row, the rank that writes it.
-        positions: Per row, the item's position in that rank's local plan.
+        positions: Per row, the item's position in that rank's final plan
+            (its local plan less the items it leaves to others), as its
+            writer reports it (:mod:`dcp_ext.write_results`).
     """
 
     spans: dict[str, tuple[int, int]]
@@ -173,7 +175,11 @@ def create_global_save_plan(plans: Sequence[SavePlan]) -> GlobalSavePlan:
     k_sorted = key_of[by_key]
     chunk_offsets, chunk_sizes = offsets[by_key], sizes[by_key]
     writer_ranks = rank_of[by_key]
-    writer_positions = (by_key - starts[writer_ranks]).astype(np.int32)
+    # Each kept item's position in its rank's final plan (the local plan less what it leaves to others).
+    kept_before = np.zeros(total + 1, dtype=np.int64)
+    np.cumsum(~dropped_mask, out=kept_before[1:])
+    writer_positions = (kept_before[by_key] - kept_before[starts[writer_ranks]]).astype(np.int32)
+    del kept_before
     del offsets, sizes, by_key
     dropped = _per_rank(dropped_mask, starts)
     written_keys = _written_keys(key_of, dropped_mask, starts, keys)

@@ -77,6 +77,8 @@ class LayoutSavePlanner(DefaultSavePlanner):
 
     # The coordinator's partition of each cached global plan, by cache key.
     _cached_partition: dict[str, Partition] = {}
+    # ... and which rank writes each chunk (ChunkWriters), which the metadata carries until commit.
+    _cached_writers: dict[str, Any] = {}
 
     def __init__(
         self,
@@ -111,9 +113,12 @@ class LayoutSavePlanner(DefaultSavePlanner):
             # the rank's previous final plan, files included).
             self.partition = None
             answers, metadata = super().create_global_plan(all_plans)
-            if self.partition is None:
-                self.partition = LayoutSavePlanner._cached_partition[self._cached_plans_key]
-            LayoutSavePlanner._cached_partition[self._cached_plans_key] = self.partition
+            key = self._cached_plans_key
+            if self.partition is None:  # the cached global plan: its partition and chunk writers too
+                self.partition = LayoutSavePlanner._cached_partition[key]
+                metadata.storage_data = LayoutSavePlanner._cached_writers[key]
+            LayoutSavePlanner._cached_partition[key] = self.partition
+            LayoutSavePlanner._cached_writers[key] = metadata.storage_data  # the writer's finish replaces it
             return answers, metadata
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:

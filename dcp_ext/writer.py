@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 import xxhash
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -60,8 +60,10 @@ from .frames import FrameEncoder
 from .errors import CheckpointExistsError, DcpExtError, PostCommitError
 from .layout import DATA_SUFFIX, FileAssignment, item_nbytes, spread_name
 from .save_lock import SaveLock
+from .save_planner import LayoutSavePlanner
 from .staging import copy_state
 from .storage import TMP_MARK, Store, normalize_path, open_store
+from .write_results import StoredColumns, collect_stored, pack_results
 
 __all__ = ["CheckpointWriter"]
 
@@ -280,9 +282,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         files = assignment.files_for(list(plan.items), self.config.files_per_rank)
         crash_point("before_data")
 
-        results: list[WriteResult] = []
+        written: list[tuple[list[WriteItem], list[StoredItem]]] = []
         if len(files) == 1:
-            results = self._write_file(store, files[0][0], files[0][1], planner)
+            written = [self._write_file(store, files[0][0], files[0][1], planner)]
         elif files:
             with ThreadPoolExecutor(len(files), thread_name_prefix="dcp_ext-write") as pool:
                 pending = [
@@ -292,11 +294,24 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 errors = []
                 for task in pending:
                     try:
-                        results.extend(task.result())
+                        written.append(task.result())
                     except BaseException as err:  # collect, then raise the first
                         errors.append(err)
                 if errors:
                     raise errors[0]
+        if self.config.metadata_version >= 3 and isinstance(planner, LayoutSavePlanner):
+            # One table for the coordinator instead of a result per item (dcp_ext.write_results).
+            position = {id(item): k for k, item in enumerate(plan.items)}
+            results = pack_results(
+                [position[id(item)] for items, _ in written for item in items],
+                [where for _, stored in written for where in stored],
+            )
+        else:
+            results = [
+                WriteResult(index=item.index, size_in_bytes=where.length, storage_data=where)
+                for items, stored in written
+                for item, where in zip(items, stored, strict=True)
+            ]
         crash_point("after_data")
         release_free_memory()
         future: Future[list[WriteResult]] = Future()
@@ -305,7 +320,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def _write_file(
         self, store: Store, name: str, items: list[WriteItem], planner: SavePlanner
-    ) -> list[WriteResult]:
+    ) -> tuple[list[WriteItem], list[StoredItem]]:
         """Write one data file: each item's frames (:class:`~dcp_ext.frames.FrameEncoder`)."""
         size_hint = sum(item_nbytes(i) + _ENVELOPE_ESTIMATE for i in items)
         raw_tensors = self.codec is None  # stored inside torch.save envelopes
@@ -325,19 +340,13 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 stored = _append_frame_index(writer, stored)
             writer.commit()
         self._written.append(name)
-        return [
-            WriteResult(index=item.index, size_in_bytes=where.length, storage_data=where)
-            for item, where in zip(items, stored, strict=True)
-        ]
+        return items, stored
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Write the metadata, which commits the checkpoint."""
         crash_point("before_metadata")
         store = self.store
-        items: dict[MetadataIndex, StoredItem] = {}
-        for rank_results in results:
-            for result in rank_results:
-                items[result.index] = result.storage_data
+        items = collect_stored(metadata, results)
         metadata.version = "1.0.0"
         metadata.storage_data = items
         if metadata.storage_meta is None:
@@ -347,14 +356,20 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         # Torch's pickle first, for torch's readers (they cannot decode our
         # compressed frames, so compressed checkpoints get none, nor do large
         # ones: see IOConfig.torch_metadata_chunks); our JSON last: the commit.
-        if len(items) <= self.config.torch_metadata_chunks and not any(item.transforms for item in items.values()):
+        compressed = bool(items.codecs) if isinstance(items, StoredColumns) else any(
+            item.transforms for item in items.values()
+        )
+        if len(items) <= self.config.torch_metadata_chunks and not compressed:
             store.write_file(TORCH_METADATA_FILE, to_torch_metadata(metadata, items))
         store.write_file(
             METADATA_FILE,
             encode_metadata(metadata, items, world_size=len(results), version=self.config.metadata_version),
         )
         self._release_lock()
-        self._remove_leftovers({item.relative_path for item in items.values()})
+        self._remove_leftovers(
+            {name for name, _, _ in items.files} if isinstance(items, StoredColumns)
+            else {item.relative_path for item in items.values()}
+        )
         if self.after_commit is not None:
             try:
                 self.after_commit()

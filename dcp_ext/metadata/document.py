@@ -60,6 +60,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,7 @@ from .._compat import _StorageInfo
 from .._torch_format import dtype_name
 from ..errors import CheckpointCorruptError
 from ..tagged_json import UnsupportedValueError, encode_tree
+from .chunk_columns import as_columns
 
 __all__ = [
     "METADATA_FILE",
@@ -207,7 +209,7 @@ def _encode_planner_data(value: Any, where: str) -> Any:
 
 def encode_metadata(
     metadata: Metadata,
-    items: dict[MetadataIndex, StoredItem],
+    items: Mapping[MetadataIndex, StoredItem],
     *,
     world_size: int,
     version: int = FORMAT_VERSION,
@@ -289,57 +291,84 @@ def _header(metadata: Metadata, world_size: int, version: int) -> dict[str, Any]
     }
 
 
-def _encode_v3(metadata: Metadata, items: dict[MetadataIndex, StoredItem], world_size: int) -> bytes:
+def _encode_v3(metadata: Metadata, items: Mapping[MetadataIndex, StoredItem], world_size: int) -> bytes:
     """Version 3: a chunk table (:mod:`~dcp_ext.metadata.chunk_table`) and, per file, its frame index."""
-    from .chunk_table import TableWriter
+    from ..write_results import StoredColumns
+    from .table_encode import TableEncoder
 
-    where = METADATA_FILE
-    file_entries: dict[str, list[Any]] = {}
-    for item in items.values():
-        entry = file_entries.get(item.relative_path)
-        if entry is None:
-            ref = item.frame_index
-            if ref is None:
-                raise ValueError(f"{where}: item in {item.relative_path!r} has no frame index (version 3 needs one)")
-            entry = file_entries[item.relative_path] = [
-                item.relative_path, ref.at + ref.length, ref.at, ref.length, f"{ref.xxh3:016x}"
-            ]
-    file_ids = {name: k for k, name in enumerate(file_entries)}
-    # (key, offsets) tuples hash in C; MetadataIndex hashes in Python.
-    by_box = {(index.fqn, index.offset): item for index, item in items.items()}
-    codecs: dict[tuple[str, ...], int] = {}
-    table = TableWriter(file_ids, codecs)
+    stored = items if isinstance(items, StoredColumns) else _stored_columns(metadata, items)
+    table = TableEncoder()
     state_dict: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
+        a, b = stored.spans[fqn]
         if isinstance(md, TensorStorageMetadata):
-            chunks = md.chunks
-            try:
-                stored = [by_box[(fqn, c.offsets)] for c in chunks]
-            except KeyError as err:
-                raise ValueError(f"{where}: no writer reported where a chunk of {fqn!r} went") from err
+            chunks = as_columns(md.chunks, len(md.size))
             state_dict[fqn] = {
                 "kind": "tensor",
                 "dtype": dtype_name(md.properties.dtype),
                 "size": [int(s) for s in md.size],
                 "requires_grad": bool(md.properties.requires_grad),
-                "table": table.add([c.offsets for c in chunks], [c.sizes for c in chunks], stored),
+                "table": table.add(chunks.offsets, chunks.sizes, stored.rows[a:b]),
             }
         else:
-            stored_one = by_box.get((fqn, None))
-            if stored_one is None:
-                raise ValueError(f"{where}: no writer reported where {fqn!r} went")
-            state_dict[fqn] = {"kind": "bytes", "table": table.add([], [], [stored_one])}
+            state_dict[fqn] = {"kind": "bytes", "table": table.add(None, None, stored.rows[a:b])}
     chunk_table, table_codec, raw_bytes = table.finish()
     document = _header(metadata, world_size, 3)
     document.update({
-        "files": list(file_entries.values()),
-        "codecs": [list(c) for c, _ in sorted(codecs.items(), key=lambda kv: kv[1])],
+        "files": [[name, size, ref.at, ref.length, f"{ref.xxh3:016x}"] for name, size, ref in stored.files],
+        "codecs": [list(c) for c in stored.codecs],
         "state_dict": state_dict,
         "chunk_table": chunk_table,
         "chunk_table_codec": table_codec,
         "chunk_table_bytes": raw_bytes,
     })
     return seal(document)
+
+
+def _stored_columns(metadata: Metadata, items: Mapping[MetadataIndex, StoredItem]) -> Any:
+    """One ``WriteResult`` per item (writers not planned by dcp_ext's planner)
+    as :class:`~dcp_ext.write_results.StoredColumns`, in the metadata's chunk order."""
+    import numpy as np
+
+    from ..write_results import StoredColumns
+
+    where = METADATA_FILE
+    files: dict[str, tuple[str, int, FrameIndexRef]] = {}
+    codecs: dict[tuple[str, ...], int] = {}
+    # (key, offsets) tuples hash in C; MetadataIndex hashes in Python.
+    by_box = {(index.fqn, index.offset): item for index, item in items.items()}
+    spans: dict[str, tuple[int, int]] = {}
+    offsets: dict[str, Any] = {}
+    rows: list[tuple[int, ...]] = []
+    file_ids: dict[str, int] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            columns = as_columns(md.chunks, len(md.size))
+            try:
+                found = [by_box[(fqn, torch.Size(o))] for o in columns.offsets.tolist()]
+            except KeyError as err:
+                raise ValueError(f"{where}: no writer reported where a chunk of {fqn!r} went") from err
+            offsets[fqn] = columns.offsets
+        else:
+            one = by_box.get((fqn, None))
+            if one is None:
+                raise ValueError(f"{where}: no writer reported where {fqn!r} went")
+            found, offsets[fqn] = [one], None
+        spans[fqn] = (len(rows), len(rows) + len(found))
+        for item in found:
+            file_id = file_ids.get(item.relative_path)
+            if file_id is None:
+                ref = item.frame_index
+                if ref is None:
+                    raise ValueError(f"{where}: item in {item.relative_path!r} has no frame index (version 3 needs one)")
+                file_id = file_ids[item.relative_path] = len(files)
+                files[item.relative_path] = (item.relative_path, ref.at + ref.length, ref)
+            codec = codecs.setdefault(item.transforms, len(codecs) + 1) if item.transforms else 0
+            rows.append((file_id, item.offset, item.length, item.data_offset, item.data_length,
+                         item.raw_length if item.transforms else -1, codec, item.frame_size))
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), 8)
+    return StoredColumns(spans, offsets, table, list(files.values()),
+                         [c for c, _ in sorted(codecs.items(), key=lambda kv: kv[1])])
 
 
 def seal(document: dict[str, Any]) -> bytes:

@@ -9,12 +9,14 @@ never runs code from the file.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointCorruptError
 from .document import DCP_VERSION, StoredItem
@@ -22,10 +24,15 @@ from .document import DCP_VERSION, StoredItem
 __all__ = ["to_torch_metadata", "load_torch_metadata"]
 
 
-def to_torch_metadata(metadata: Metadata, items: dict[MetadataIndex, StoredItem]) -> bytes:
-    """Torch's pickled ``.metadata`` for the same checkpoint (interop only)."""
+def to_torch_metadata(metadata: Metadata, items: Mapping[MetadataIndex, StoredItem]) -> bytes:
+    """Torch's pickled ``.metadata`` for the same checkpoint (interop only):
+    DCP's own classes only (chunk lists, not dcp_ext's ``ChunkColumns``)."""
+    plain = {
+        fqn: dataclasses.replace(md, chunks=list(md.chunks)) if isinstance(md, TensorStorageMetadata) else md
+        for fqn, md in metadata.state_dict_metadata.items()
+    }
     torch_md = Metadata(
-        state_dict_metadata=metadata.state_dict_metadata,
+        state_dict_metadata=plain,
         planner_data=metadata.planner_data,
         storage_data={index: item.to_torch() for index, item in items.items()},
         storage_meta=metadata.storage_meta,

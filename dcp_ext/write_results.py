@@ -1,0 +1,299 @@
+"""What each rank reports after writing its data, as tables instead of objects.
+
+In a ``dcp.save`` every rank returns its ``WriteResult`` list and the
+coordinator unpickles all of them to write the metadata. One result per
+item (a ``StoredItem`` and a ``MetadataIndex``, some 600 bytes in memory) is
+millions of objects at a few thousand ranks. Here a rank reports one
+:class:`RankWriteResults`: its files with their frame indexes, its codecs,
+and one zlib-compressed row of nine integers per item. The coordinator
+(:func:`gather_stored`) lines the rows up with the checkpoint's chunks by the
+:class:`~dcp_ext.global_plan.ChunkWriters` its planning recorded, giving
+:class:`StoredColumns`, from which the metadata's chunk table is written
+column by column, and which is also the ``storage_data`` the save returns
+(a read-only mapping, ``StoredItem`` built on access, pickled as arrays).
+
+Used for metadata version 3 when the save was planned by
+:class:`~dcp_ext.planners.LayoutSavePlanner`; otherwise the writer reports
+one ``WriteResult`` per item as DCP does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .global_plan import ChunkWriters
+from .metadata.chunk_columns import as_columns
+from .metadata.document import FrameIndexRef, StoredItem
+
+__all__ = [
+    "RESULTS_INDEX",
+    "ITEM_COLUMNS",
+    "RankWriteResults",
+    "StoredColumns",
+    "pack_results",
+    "gather_stored",
+    "collect_stored",
+]
+
+#: The index of the one ``WriteResult`` a rank returns with a :class:`RankWriteResults`.
+RESULTS_INDEX = MetadataIndex("dcp_ext write results")
+#: A stored item's columns in :class:`StoredColumns` (and in version 3's chunk table).
+ITEM_COLUMNS = ("file", "at", "length", "data_at", "data_length", "raw_length", "codec", "frame")
+_ROW = 1 + len(ITEM_COLUMNS)  # the item's position in the rank's final plan, then ITEM_COLUMNS
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWriteResults:
+    """One rank's write results.
+
+    Attributes:
+        files: Each data file it wrote, with where its frame index lies.
+        codecs: The codec transform descriptors its rows use (``codec`` column
+            ``k`` means ``codecs[k - 1]``, ``0`` none).
+        rows: zlib-compressed int64 rows: the item's position in the rank's
+            final plan, then :data:`ITEM_COLUMNS` (``file`` indexes ``files``).
+        count: Rows.
+    """
+
+    files: tuple[tuple[str, FrameIndexRef], ...]
+    codecs: tuple[tuple[str, ...], ...]
+    rows: bytes
+    count: int
+
+    def row_array(self) -> np.ndarray:
+        """The rows as an ``(count, 9)`` int64 array.
+
+        Raises:
+            ValueError: They do not decompress to ``count`` rows.
+        """
+        try:
+            raw = zlib.decompress(self.rows)
+        except zlib.error as err:
+            raise ValueError(f"a rank's write results are corrupt: {err}") from err
+        rows = np.frombuffer(raw, dtype=np.int64)
+        if rows.size != self.count * _ROW:
+            raise ValueError(f"a rank's write results hold {rows.size} integers for {self.count} rows")
+        return rows.reshape(self.count, _ROW)
+
+
+def pack_results(positions: Sequence[int], stored: Sequence[StoredItem]) -> list[WriteResult]:
+    """(each rank) Its write results as the one ``WriteResult`` the coordinator expects.
+
+    Args:
+        positions: Each stored item's position in the rank's final plan.
+        stored: Where each went (version 3: frame tables in the files' indexes).
+
+    Raises:
+        ValueError: An item has no frame index (it was not written for version 3).
+    """
+    files: dict[str, int] = {}
+    refs: list[tuple[str, FrameIndexRef]] = []
+    codecs: dict[tuple[str, ...], int] = {}
+    rows = np.empty((len(stored), _ROW), dtype=np.int64)
+    for i, (position, item) in enumerate(zip(positions, stored, strict=True)):
+        file_id = files.get(item.relative_path)
+        if file_id is None:
+            if item.frame_index is None:
+                raise ValueError(f"item in {item.relative_path!r} has no frame index (version 3 needs one)")
+            file_id = files[item.relative_path] = len(refs)
+            refs.append((item.relative_path, item.frame_index))
+        codec = codecs.setdefault(item.transforms, len(codecs) + 1) if item.transforms else 0
+        rows[i] = (
+            position, file_id, item.offset, item.length, item.data_offset, item.data_length,
+            item.raw_length if item.transforms else -1, codec, item.frame_size,
+        )
+    results = RankWriteResults(
+        files=tuple(refs),
+        codecs=tuple(c for c, _ in sorted(codecs.items(), key=lambda kv: kv[1])),
+        rows=zlib.compress(rows.tobytes(), 1),
+        count=len(stored),
+    )
+    return [WriteResult(index=RESULTS_INDEX, size_in_bytes=sum(s.length for s in stored), storage_data=results)]
+
+
+def is_packed(results: Sequence[Sequence[WriteResult]]) -> bool:
+    """Whether every rank reported a :class:`RankWriteResults`."""
+    return bool(results) and all(
+        len(r) == 1 and isinstance(r[0].storage_data, RankWriteResults) for r in results
+    )
+
+
+class StoredColumns(Mapping[MetadataIndex, StoredItem]):
+    """Where every chunk of a checkpoint lives, as columns aligned with its metadata.
+
+    Args:
+        spans: Per key, in metadata order, its rows ``[start, stop)``.
+        offsets: Per key, its chunks' offsets (``(rows, ndim)``; ``None`` for bytes values).
+        rows: ``(chunks, 8)`` int64 :data:`ITEM_COLUMNS`.
+        files: Each data file: ``(name, size, frame index)``.
+        codecs: Codec descriptors (``codec`` column ``k`` is ``codecs[k - 1]``).
+    """
+
+    def __init__(
+        self,
+        spans: dict[str, tuple[int, int]],
+        offsets: dict[str, np.ndarray | None],
+        rows: np.ndarray,
+        files: Sequence[tuple[str, int, FrameIndexRef]],
+        codecs: Sequence[tuple[str, ...]],
+    ) -> None:
+        self.spans, self.offsets, self.rows = spans, offsets, rows
+        self.files, self.codecs = list(files), list(codecs)
+        self._row_of: dict[str, dict[tuple[int, ...], int]] = {}
+
+    def __getitem__(self, index: MetadataIndex) -> StoredItem:
+        span = self.spans.get(index.fqn)
+        if span is None:
+            raise KeyError(index)
+        boxes = self.offsets.get(index.fqn)
+        if boxes is None:
+            if index.offset is not None:
+                raise KeyError(index)
+            return self.item(span[0])
+        if index.offset is None:
+            raise KeyError(index)
+        rows = self._row_of.get(index.fqn)
+        if rows is None:
+            rows = self._row_of[index.fqn] = {tuple(o): k for k, o in enumerate(boxes.tolist())}
+        found = rows.get(tuple(int(o) for o in index.offset))
+        if found is None:
+            raise KeyError(index)
+        return self.item(span[0] + found)
+
+    def item(self, row: int) -> StoredItem:
+        """The ``StoredItem`` of one row."""
+        file_id, at, length, data_at, data_length, raw_length, codec, frame = self.rows[row].tolist()
+        name, _, ref = self.files[file_id]
+        return StoredItem(
+            name, at, length, data_at, data_length, raw_length, self.codecs[codec - 1] if codec else (),
+            frame, indexed=True, frame_index=ref,
+        )
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        for fqn in self.spans:
+            boxes = self.offsets.get(fqn)
+            if boxes is None:
+                yield MetadataIndex(fqn)
+            else:
+                for box in boxes.tolist():
+                    yield MetadataIndex(fqn, box)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def items(self) -> Iterator[tuple[MetadataIndex, StoredItem]]:  # type: ignore[override]
+        """Every ``(index, item)``, built key by key (much faster than looking each up)."""
+        for fqn, (a, b) in self.spans.items():
+            boxes = self.offsets.get(fqn)
+            indexes = [MetadataIndex(fqn)] if boxes is None else [MetadataIndex(fqn, box) for box in boxes.tolist()]
+            yield from zip(indexes, self._items(a, b))
+
+    def values(self) -> Iterator[StoredItem]:  # type: ignore[override]
+        for a, b in self.spans.values():
+            yield from self._items(a, b)
+
+    def _items(self, a: int, b: int) -> list[StoredItem]:
+        files, codecs = self.files, self.codecs
+        return [
+            StoredItem(files[f][0], at, length, data_at, data_length, raw_length, codecs[codec - 1] if codec else (),
+                       frame, indexed=True, frame_index=files[f][2])
+            for f, at, length, data_at, data_length, raw_length, codec, frame in self.rows[a:b].tolist()
+        ]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # dcp.save broadcasts the metadata to every rank: the columns go compressed.
+        rows = zlib.compress(np.ascontiguousarray(self.rows, dtype="<i8").tobytes(), 1)
+        return (_stored_columns, (self.spans, self.offsets, rows, len(self.rows), self.files, self.codecs))
+
+
+def _stored_columns(spans: dict[str, tuple[int, int]], offsets: dict[str, np.ndarray | None], rows: bytes,
+                    count: int, files: list[tuple[str, int, FrameIndexRef]], codecs: list[tuple[str, ...]]) -> StoredColumns:
+    table = np.frombuffer(zlib.decompress(rows), dtype="<i8").reshape(count, len(ITEM_COLUMNS))
+    return StoredColumns(spans, offsets, table, files, codecs)
+
+
+def gather_stored(
+    writers: ChunkWriters, offsets: dict[str, np.ndarray | None], results: Sequence[Sequence[WriteResult]]
+) -> StoredColumns:
+    """(coordinator) The ranks' packed results lined up with the metadata's chunks.
+
+    Args:
+        writers: Which rank's item each chunk is (from the global plan).
+        offsets: Per key, its chunks' offsets (``None`` for bytes values).
+        results: Every rank's results (each one :class:`RankWriteResults`).
+
+    Raises:
+        ValueError: A rank's results are malformed, or lack a chunk the plan gave it.
+    """
+    world = len(results)
+    packed = [r[0].storage_data for r in results]
+    counts = np.array([p.count for p in packed], dtype=np.int64)
+    base = np.zeros(world + 1, dtype=np.int64)
+    np.cumsum(counts, out=base[1:])
+    files: list[tuple[str, int, FrameIndexRef]] = []
+    codecs: dict[tuple[str, ...], int] = {}
+    every = np.empty((int(base[-1]), _ROW), dtype=np.int64)
+    for rank, part in enumerate(packed):
+        rows = part.row_array()
+        if rows.size:
+            # Line rows up by their item's position in the final plan.
+            order = np.argsort(rows[:, 0], kind="stable")
+            rows = rows[order]
+            if not np.array_equal(rows[:, 0], np.arange(part.count)):
+                raise ValueError(f"rank {rank}'s write results do not number its items 0..{part.count - 1}")
+            if int(rows[:, 1].min()) < 0 or int(rows[:, 1].max()) >= len(part.files):
+                raise ValueError(f"rank {rank}'s write results name a file it does not list")
+            rows[:, 1] += len(files)
+            if part.codecs:
+                lookup = np.array([0] + [codecs.setdefault(c, len(codecs) + 1) for c in part.codecs], dtype=np.int64)
+                if int(rows[:, 7].max()) >= len(lookup) or int(rows[:, 7].min()) < 0:
+                    raise ValueError(f"rank {rank}'s write results name a codec it does not list")
+                rows[:, 7] = lookup[rows[:, 7]]
+            every[base[rank] : base[rank + 1]] = rows
+        files.extend((name, ref.at + ref.length, ref) for name, ref in part.files)
+    ranks, positions = writers.ranks, writers.positions
+    if len(ranks) and (int(positions.max(initial=0)) < 0 or bool((positions >= counts[ranks]).any())):
+        bad = int(np.flatnonzero(positions >= counts[ranks])[0])
+        raise ValueError(f"rank {int(ranks[bad])} reported no write result for its item #{int(positions[bad])}")
+    rows = every[base[ranks] + positions, 1:]
+    del every
+    return StoredColumns(
+        writers.spans, offsets, rows, files, [c for c, _ in sorted(codecs.items(), key=lambda kv: kv[1])]
+    )
+
+
+def collect_stored(
+    metadata: Metadata, results: Sequence[Sequence[WriteResult]]
+) -> StoredColumns | dict[MetadataIndex, StoredItem]:
+    """(coordinator, ``CheckpointWriter.finish``) Where every chunk went:
+    lined up with the planned chunks when the ranks packed their results,
+    else one entry per result, keyed by its index.
+
+    Raises:
+        ValueError: The ranks packed their results but the metadata does not
+            record which rank wrote which chunk, or a rank's results are malformed.
+    """
+    if not is_packed(results):
+        items: dict[MetadataIndex, StoredItem] = {}
+        for rank_results in results:
+            for result in rank_results:
+                items[result.index] = result.storage_data
+        return items
+    writers = metadata.storage_data
+    if not isinstance(writers, ChunkWriters):
+        raise ValueError(
+            "the ranks packed their write results but the metadata does not say which rank "
+            "wrote which chunk; was the save planned by dcp_ext's LayoutSavePlanner?"
+        )
+    offsets: dict[str, Any] = {
+        fqn: as_columns(md.chunks, len(md.size)).offsets if isinstance(md, TensorStorageMetadata) else None
+        for fqn, md in metadata.state_dict_metadata.items()
+    }
+    return gather_stored(writers, offsets, results)

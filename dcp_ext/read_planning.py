@@ -69,39 +69,51 @@ def read_items_for_columns(
     local_offsets = np.array([tuple(c.offsets) for c in local_chunks], dtype=np.int64).reshape(count, ndim)
     local_ends = local_offsets + np.array([tuple(c.sizes) for c in local_chunks], dtype=np.int64).reshape(count, ndim)
     # Column by column: numpy reduces an (n, 2) array along its short axis
-    # ~20x slower than it compares two length-n columns.
-    saved_offsets = [saved.offsets[:, d] for d in range(ndim)]
-    saved_ends = [saved.offsets[:, d] + saved.sizes[:, d] for d in range(ndim)]
+    # ~20x slower than it compares two length-n columns. Only the first
+    # dimension is compared over every saved chunk; the others over the rows
+    # still in play.
     sweep = _torch_sweeps() and ndim > 0
     sweep_dim: int | None = None
 
-    def sweep_along() -> int:
-        # torch sweeps along the first dimension of the largest extent.
+    def sweep_order(keys: list[np.ndarray]) -> np.ndarray:
+        """The stable order of ``keys[sweep dimension]``. torch sweeps along
+        the first dimension of the largest extent; finding it walks every
+        saved chunk, so only when the dimensions' orders differ."""
         nonlocal sweep_dim
+        orders = [np.argsort(k, kind="stable") for k in keys]
+        if all(np.array_equal(orders[0], o) for o in orders[1:]):
+            return orders[0]
         if sweep_dim is None:
-            extents = [max(int(saved_ends[d].max()), int(local_ends[:, d].max())) for d in range(ndim)]
+            extents = [
+                max(int((saved.offsets[:, d] + saved.sizes[:, d]).max()), int(local_ends[:, d].max()))
+                for d in range(ndim)
+            ]
             sweep_dim = extents.index(max(extents))
-        return sweep_dim
+        return orders[sweep_dim]
 
     order: Sequence[int] = range(count)
     if sweep and count > 1:  # torch takes local chunks by start along the sweep dimension
-        order = np.argsort(local_offsets[:, sweep_along()], kind="stable").tolist()
-    every = np.arange(len(saved))
+        order = sweep_order([local_offsets[:, d] for d in range(ndim)]).tolist()
     items: list[ReadItem] = []
     for local in order:
         start, end = local_offsets[local], local_ends[local]
-        hits = every
-        for d in range(ndim):  # the rows overlapping in every dimension so far
-            if len(hits) == len(saved):
-                hits = np.flatnonzero((start[d] < saved_ends[d]) & (saved_offsets[d] < end[d]))
+        hits: np.ndarray | None = None  # the rows overlapping in every dimension so far
+        for d in range(ndim):
+            if hits is None or len(hits) == len(saved):
+                offsets_d = saved.offsets[:, d]
+                hits = np.flatnonzero((start[d] < offsets_d + saved.sizes[:, d]) & (offsets_d < end[d]))
             else:
-                hits = hits[(start[d] < saved_ends[d][hits]) & (saved_offsets[d][hits] < end[d])]
+                offsets_d = saved.offsets[hits, d]
+                hits = hits[(start[d] < offsets_d + saved.sizes[hits, d]) & (offsets_d < end[d])]
             if not len(hits):
                 break
+        if hits is None:  # a scalar: every saved chunk
+            hits = np.arange(len(saved))
         if not len(hits):
             continue
         if sweep and len(hits) > 1:  # and saved chunks by end along it
-            hits = hits[np.argsort(saved_ends[sweep_along()][hits], kind="stable")]
+            ends = saved.offsets[hits] + saved.sizes[hits]
+            hits = hits[sweep_order([ends[:, d] for d in range(ndim)])]
         hit_offsets = saved.offsets[hits]
         hit_ends = hit_offsets + saved.sizes[hits]
         after = hit_offsets > start

@@ -48,17 +48,13 @@ from .scale import (
     collect_dcp_ext,
     decode_dcp_ext,
     encode_dcp_ext,
-    finish_data_file,
-    pack_rank_results,
 )
+from .scale_fast import packed_results, sent_plans
 from .scale_plans import (
     Layout,
-    dcp_ext_write_results,
     finish_plans,
-    iter_final_plans,
     load_state_dict,
     rank_save_plan,
-    rank_sent_plan,
     torch_write_results,
 )
 
@@ -173,13 +169,15 @@ def _synthesize(case: Case, clock: _Clock) -> tuple[Any, Layout, list[Any]]:
     torch.set_num_threads(1)
     shape, layout = MODELS[case.model], Layout(case.ranks, case.tp)
     every = max(1, layout.ranks // 16)
-    make = rank_sent_plan if case.system == "dcp_ext" else rank_save_plan
     with clock.step(SYNTHESIS):
-        plans = []
-        for rank in range(layout.ranks):
-            if rank and rank % every == 0:  # where it stopped, if memory runs out
-                clock.emit(phase=f"{SYNTHESIS}: {rank:,} of {layout.ranks:,} ranks")
-            plans.append(make(shape, layout, rank))
+        if case.system == "dcp_ext":
+            plans = sent_plans(shape, layout)  # = rank_sent_plan of every rank, at array speed
+        else:
+            plans = []
+            for rank in range(layout.ranks):
+                if rank and rank % every == 0:  # where it stopped, if memory runs out
+                    clock.emit(phase=f"{SYNTHESIS}: {rank:,} of {layout.ranks:,} ranks")
+                plans.append(rank_save_plan(shape, layout, rank))
     # Untimed: move the plans to the oldest generation, as a long-lived
     # coordinator's unpickled plans would be, before the GC policy applies.
     gc.collect()
@@ -223,16 +221,11 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
 
         planner = _dcp_ext_save_planner(layout)
         global_plans, metadata = clock.timed("global plan", lambda: planner.create_global_plan(plans))
-        del plans  # the coordinator drops the gathered plans once planned (as in dcp.save)
-        # The ranks' side (not timed), one rank at a time: rebuild its local
-        # plan (each rank keeps its own), finish it, write, report.
-        ranks_final = iter_final_plans(
-            lambda: _dcp_ext_save_planner(layout),
-            (rank_save_plan(shape, layout, rank) for rank in range(layout.ranks)),
-            global_plans,
-        )
-        written = dcp_ext_write_results(shape, ranks_final, finish_data_file, pack_rank_results)
-        del global_plans
+        # The ranks' side (not timed): finish their plans, write, report
+        # (bench.scale_fast: the bytes the ranks' writers would send, at array speed).
+        clock.emit(phase="ranks write (untimed)")
+        written = packed_results(shape, layout, plans, global_plans)
+        del plans, global_plans  # the coordinator drops the gathered plans once planned (as in dcp.save)
         results = written.results
 
         def finish() -> tuple[Any, bytes]:

@@ -26,7 +26,18 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from bench import scale
 from bench.scale_report import render_table
 from bench.model_shapes import MODELS, ModelShape, Param
-from bench.scale_plans import Layout, dcp_ext_write_results, finish_plans, local_chunk, rank_save_plan, save_plans
+from bench.scale import finish_data_file, pack_rank_results
+from bench.scale_fast import packed_results, sent_plans
+from bench.scale_plans import (
+    Layout,
+    dcp_ext_write_results,
+    finish_plans,
+    iter_final_plans,
+    local_chunk,
+    rank_save_plan,
+    rank_sent_plan,
+    save_plans,
+)
 from dcp_ext.layout import MeshInfo
 from dcp_ext import CheckpointReader
 from dcp_ext.metadata import METADATA_FILE
@@ -275,3 +286,19 @@ def test_forked_cases_report_time_and_memory_limits() -> None:
     big = scale.run_case(case, scale.Limits(timeout=600, memory_bytes=1))
     assert big["status"].startswith("save: exceeded"), big["status"]
     assert "did not finish" in render_table([slow])
+
+
+@pytest.mark.parametrize("world_size,tp", [(3, 1), (4, 2), (12, 1)])
+def test_array_synthesis_equals_the_object_path(world_size: int, tp: int) -> None:
+    """bench.scale_fast builds, byte for byte, the compact plans, packed write
+    results and frame indexes that the per-rank object path builds."""
+    layout = Layout(world_size, tp)
+    fast = sent_plans(TINY, layout)
+    assert fast == [rank_sent_plan(TINY, layout, r) for r in range(world_size)]
+    answers, _ = _simulated_planner(layout).create_global_plan(fast)
+    local = (rank_save_plan(TINY, layout, r) for r in range(world_size))
+    final = iter_final_plans(lambda: _simulated_planner(layout), local, answers)
+    slow = dcp_ext_write_results(TINY, final, finish_data_file, pack_rank_results)
+    quick = packed_results(TINY, layout, fast, answers)
+    assert (quick.frames, quick.file_indexes) == (slow.frames, slow.file_indexes)
+    assert [r[0] for r in quick.results] == [r[0] for r in slow.results]

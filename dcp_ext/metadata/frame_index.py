@@ -39,7 +39,7 @@ from ..errors import CheckpointCorruptError
 from .chunk_table import ChunkLocations
 from .document import FrameIndexRef, StoredItem
 
-__all__ = ["encode_frame_index", "attach_frame_index", "attach_frame_indexes", "frame_count", "MAX_INDEX_BYTES"]
+__all__ = ["encode_frame_index", "frame_index_of", "attach_frame_index", "attach_frame_indexes", "frame_count", "MAX_INDEX_BYTES"]
 
 _MAGIC = b"DCPXFI"
 _VERSION = 1
@@ -64,10 +64,17 @@ def encode_frame_index(items: Sequence[StoredItem]) -> bytes:
         sums.extend(item.checksums)
         if item.transforms:
             lengths.extend(item.frame_lengths)
-    body = _HEADER.pack(_MAGIC, _VERSION, len(items), len(sums), len(lengths))
     if sums.itemsize != 8 or lengths.itemsize != 4:  # pragma: no cover - every supported platform
         raise RuntimeError("array item sizes differ from the index format")
-    data = body + _little(sums) + _little(lengths)
+    return frame_index_of(len(items), _little(sums), _little(lengths))
+
+
+def frame_index_of(items: int, checksums: bytes, lengths: bytes = b"") -> bytes:
+    """A file's index from its items' count and their frames' little-endian
+    checksums (u64 each) and compressed frame lengths (u32 each), in file order."""
+    if len(checksums) % 8 or len(lengths) % 4:
+        raise ValueError("frame checksums are 8 bytes each and frame lengths 4 bytes each")
+    data = _HEADER.pack(_MAGIC, _VERSION, items, len(checksums) // 8, len(lengths) // 4) + checksums + lengths
     return data + _TRAILER.pack(xxhash.xxh3_64_intdigest(data))
 
 

@@ -212,6 +212,26 @@ def _storage_meta(case: Case) -> StorageMeta:
     return StorageMeta(checkpoint_id=f"/checkpoints/{case.model}-{case.ranks}/step100_partial", save_id="0" * 32)
 
 
+def _gathered(clock: _Clock, step: str, objects: list[Any]) -> tuple[list[Any], int]:
+    """What DCP's ``gather_object`` hands the coordinator: each rank's object
+    pickled on its rank (untimed), all unpickled on the coordinator (timed
+    as ``step``). Returns the objects and the bytes gathered."""
+    blobs = [pickle.dumps(o) for o in objects]
+    objects.clear()
+    size = sum(map(len, blobs))
+    back = clock.timed(step, lambda: [pickle.loads(b) for b in blobs])
+    blobs.clear()
+    return back, size
+
+
+def _broadcast(clock: _Clock, metadata: Metadata) -> int:
+    """DCP's ``all_reduce`` after the commit: the coordinator pickles the
+    metadata ``dcp.save`` returns and every rank unpickles it (both timed)."""
+    blob = clock.timed("broadcast pickle", lambda: pickle.dumps(metadata))
+    clock.timed("broadcast unpickle", lambda: pickle.loads(blob))
+    return len(blob)
+
+
 def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
     clock = _Clock(emit, case)
     shape, layout, plans = _synthesize(case, clock)
@@ -219,14 +239,17 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
     if case.system == "dcp_ext":
         from dcp_ext.metadata import to_torch_metadata
 
+        plans, out["gathered_plan_bytes"] = _gathered(clock, "gather plans", plans)
         planner = _dcp_ext_save_planner(layout)
         global_plans, metadata = clock.timed("global plan", lambda: planner.create_global_plan(plans))
+        out["answer_bytes"] = sum(len(pickle.dumps(answer)) for answer in global_plans)
         # The ranks' side (not timed): finish their plans, write, report
-        # (bench.scale_fast: the bytes the ranks' writers would send, at array speed).
+        # (bench.scale_fast: the bytes the ranks' writers would send, at array
+        # speed, from what they sent: the same bytes as the gathered plans).
         clock.emit(phase="ranks write (untimed)")
         written = packed_results(shape, layout, plans, global_plans)
-        del plans, global_plans  # the coordinator drops the gathered plans once planned (as in dcp.save)
-        results = written.results
+        del plans, global_plans  # the coordinator dropped the gathered plans after planning (as in dcp.save)
+        results, out["gathered_result_bytes"] = _gathered(clock, "gather results", written.results)
 
         def finish() -> tuple[Any, bytes]:
             # CheckpointWriter.finish: where every chunk went, then the document.
@@ -252,15 +275,20 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
             index_bytes=sum(len(b) for b in written.file_indexes.values()),
         )
         del interop
+        out["broadcast_bytes"] = _broadcast(clock, metadata)
         _write_encoded(workdir, EncodedMetadata(global_bytes, written.file_indexes))
         (workdir / _PARTITION_FILE).write_bytes(partition)
     else:
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+        plans, out["gathered_plan_bytes"] = _gathered(clock, "gather plans", plans)
         global_plans, metadata = clock.timed("global plan", lambda: DefaultSavePlanner().create_global_plan(plans))
+        out["answer_bytes"] = sum(len(pickle.dumps(answer)) for answer in global_plans)
+        # The ranks' side (not timed), from the gathered plans (the same as each rank's own).
         final = finish_plans(DefaultSavePlanner, plans, global_plans)
         results = torch_write_results(shape, final)
         del plans, global_plans, final
+        results, out["gathered_result_bytes"] = _gathered(clock, "gather results", results)
 
         def finish_torch() -> tuple[dict[Any, Any], bytes]:
             # FileSystemWriter.finish: storage data keyed by item, then pickle.dump.
@@ -273,6 +301,7 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
 
         storage, blob = clock.timed("encode", finish_torch)
         (workdir / _TORCH_FILE).write_bytes(blob)
+        out["broadcast_bytes"] = _broadcast(clock, metadata)
         out.update(global_bytes=len(blob), index_bytes=0,
                    files=len({info.relative_path for info in storage.values()}))
     out.update(chunks=_chunks(metadata), seconds=clock.seconds, cpu_seconds=clock.cpu_seconds,

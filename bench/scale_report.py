@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["render_table", "render_extras", "growth", "render_profiles", "render_markdown"]
+__all__ = ["render_table", "render_extras", "render_collectives", "growth", "render_profiles", "render_markdown"]
 
 MiB = 1 << 20
 
@@ -99,6 +99,31 @@ def render_extras(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def render_collectives(rows: Sequence[dict[str, Any]]) -> str:
+    """What DCP's collectives around planning and commit carry and cost (one process:
+    pickling on the ranks untimed, unpickling timed), and the coordinator's whole
+    share of a save's blocking time: gather plans + plan + gather results + encode
+    + pickle the metadata it broadcasts."""
+    head = ("model", "ranks", "system", "plans gathered", "unpickle s", "answers", "results gathered",
+            "unpickle s", "metadata broadcast", "pickle s", "unpickle s (each rank)", "coordinator total s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---", "---:", "---"] + ["---:"] * (len(head) - 3)) + "|"]
+    for row in rows:
+        save = row.get("save", {})
+        if "gathered_plan_bytes" not in save or "broadcast_bytes" not in save:
+            continue
+        steps = _steps(row, "save")
+        parts = ("gather plans", "global plan", "gather results", "encode", "broadcast pickle")
+        total = sum(steps.get(p, 0.0) for p in parts)
+        lines.append("| " + " | ".join([
+            row["model"], f"{row['ranks']:,}", row["system"],
+            _fmt_bytes(save["gathered_plan_bytes"]), _fmt_s(steps.get("gather plans")),
+            _fmt_bytes(save.get("answer_bytes")), _fmt_bytes(save.get("gathered_result_bytes")),
+            _fmt_s(steps.get("gather results")), _fmt_bytes(save["broadcast_bytes"]),
+            _fmt_s(steps.get("broadcast pickle")), _fmt_s(steps.get("broadcast unpickle")), _fmt_s(total),
+        ]) + " |")
+    return "\n".join(lines)
+
+
 def growth(rows: Sequence[dict[str, Any]], kind: str, step: str) -> list[tuple[str, int, int, float]]:
     """Growth exponents of one step between consecutive N of each (system, model):
     ``(system, N1, N2, log(t2 / t1) / log(N2 / N1))``."""
@@ -153,7 +178,7 @@ def render_profiles(profiles: Sequence[dict[str, Any]]) -> str:
 
 def render_markdown(rows: Sequence[dict[str, Any]], profiles: Sequence[dict[str, Any]] = ()) -> str:
     """The whole report: both tables, planning-time growth, then the profiles."""
-    sections = [render_table(rows), "", render_extras(rows), ""]
+    sections = [render_table(rows), "", render_extras(rows), "", render_collectives(rows), ""]
     exponents = growth(rows, "save", "global plan")
     if exponents:
         sections.append("Growth of the coordinator's planning time (wall), t ~ N^k:\n")

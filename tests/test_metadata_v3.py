@@ -111,9 +111,18 @@ def test_global_plan_matches_torch_and_names_bad_chunks() -> None:
     assert all(answer.items == [] for answer in answers)
     assert planner.partition is not None
     doc = json.loads(planner.partition.to_json())
-    assert doc["version"] == 2 and len(doc["key_table"]) == 6  # each key once; ranks hold runs of positions
-    assert max(len(runs) for r in doc["ranks"] for runs in r["keys"].values()) <= 4
+    # Each key once; each distinct key set once (the ranks that write the
+    # replicated values differ by a key or two from the others); ranks name theirs.
+    assert doc["version"] == 3 and len(doc["key_table"]) == 6
+    assert len(doc["key_sets"]) <= 3 and {r["key_set"] for r in doc["ranks"]} == set(range(len(doc["key_sets"])))
     assert Partition.from_json(planner.partition.to_json(), "p") == planner.partition
+    doc = json.loads(planner.partition.to_json(version=2))  # version 2 (runs per rank) still reads
+    assert doc["version"] == 2 and max(len(runs) for r in doc["ranks"] for runs in r["keys"].values()) <= 4
+    assert Partition.from_json(planner.partition.to_json(version=2), "p") == planner.partition
+    bad = json.loads(planner.partition.to_json())
+    bad["key_sets"].append({"model": {"like": len(bad["key_sets"]), "add": [], "drop": []}})
+    with pytest.raises(CheckpointCorruptError, match="does not precede it"):
+        Partition.from_json(json.dumps(bad).encode(), "p")
     old = dict(doc, version=1, ranks=[dict(r, keys={k: list(v) for k, v in rank.keys.items()})
                                       for r, rank in zip(doc["ranks"], planner.partition.ranks)])
     del old["key_table"]

@@ -224,12 +224,15 @@ def _gathered(clock: _Clock, step: str, objects: list[Any]) -> tuple[list[Any], 
     return back, size
 
 
-def _broadcast(clock: _Clock, metadata: Metadata) -> int:
+def _broadcast(clock: _Clock, metadata: Metadata) -> tuple[int, float]:
     """DCP's ``all_reduce`` after the commit: the coordinator pickles the
-    metadata ``dcp.save`` returns and every rank unpickles it (both timed)."""
+    metadata ``dcp.save`` returns and every rank unpickles it (both timed).
+    Returns the bytes broadcast and the coordinator's peak RSS before the
+    unpickle, which another rank does, not the coordinator."""
     blob = clock.timed("broadcast pickle", lambda: pickle.dumps(metadata))
+    peak = peak_rss_mib()
     clock.timed("broadcast unpickle", lambda: pickle.loads(blob))
-    return len(blob)
+    return len(blob), peak
 
 
 def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
@@ -275,7 +278,7 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
             index_bytes=sum(len(b) for b in written.file_indexes.values()),
         )
         del interop
-        out["broadcast_bytes"] = _broadcast(clock, metadata)
+        out["broadcast_bytes"], out["coordinator_peak_rss_mib"] = _broadcast(clock, metadata)
         _write_encoded(workdir, EncodedMetadata(global_bytes, written.file_indexes))
         (workdir / _PARTITION_FILE).write_bytes(partition)
     else:
@@ -301,11 +304,13 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
 
         storage, blob = clock.timed("encode", finish_torch)
         (workdir / _TORCH_FILE).write_bytes(blob)
-        out["broadcast_bytes"] = _broadcast(clock, metadata)
+        out["broadcast_bytes"], out["coordinator_peak_rss_mib"] = _broadcast(clock, metadata)
         out.update(global_bytes=len(blob), index_bytes=0,
                    files=len({info.relative_path for info in storage.values()}))
     out.update(chunks=_chunks(metadata), seconds=clock.seconds, cpu_seconds=clock.cpu_seconds,
                samples=clock.samples, rss_mib=clock.rss, peak_rss_mib=peak_rss_mib())
+    # The process's peak includes one rank's unpickle of the broadcast, done here last.
+    out["peak_rss_mib"] = out.get("coordinator_peak_rss_mib", out["peak_rss_mib"])
     return out
 
 

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .global_plan import ChunkWriters
-from .metadata.chunk_columns import as_columns
+from .metadata.chunk_columns import as_columns, pack_array, unpack_array
 from .metadata.document import FrameIndexRef, StoredItem
 
 __all__ = [
@@ -209,14 +209,15 @@ class StoredColumns(Mapping[MetadataIndex, StoredItem]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # dcp.save broadcasts the metadata to every rank: the columns go compressed.
-        rows = zlib.compress(np.ascontiguousarray(self.rows, dtype="<i8").tobytes(), 1)
-        return (_stored_columns, (self.spans, self.offsets, rows, len(self.rows), self.files, self.codecs))
+        boxes = {fqn: None if o is None else (o.shape, pack_array(o)) for fqn, o in self.offsets.items()}
+        rows = pack_array(self.rows)
+        return (_stored_columns, (self.spans, boxes, rows, len(self.rows), self.files, self.codecs))
 
 
-def _stored_columns(spans: dict[str, tuple[int, int]], offsets: dict[str, np.ndarray | None], rows: bytes,
+def _stored_columns(spans: dict[str, tuple[int, int]], boxes: dict[str, Any], rows: bytes,
                     count: int, files: list[tuple[str, int, FrameIndexRef]], codecs: list[tuple[str, ...]]) -> StoredColumns:
-    table = np.frombuffer(zlib.decompress(rows), dtype="<i8").reshape(count, len(ITEM_COLUMNS))
-    return StoredColumns(spans, offsets, table, files, codecs)
+    offsets = {fqn: None if box is None else unpack_array(box[1], tuple(box[0])) for fqn, box in boxes.items()}
+    return StoredColumns(spans, offsets, unpack_array(rows, (count, len(ITEM_COLUMNS))), files, codecs)
 
 
 def gather_stored(

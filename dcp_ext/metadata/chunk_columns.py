@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-__all__ = ["ChunkColumns", "as_columns"]
+__all__ = ["ChunkColumns", "as_columns", "pack_array", "unpack_array"]
 
 
 class ChunkColumns(Sequence[ChunkStorageMetadata]):
@@ -100,15 +100,29 @@ class ChunkColumns(Sequence[ChunkStorageMetadata]):
         return f"ChunkColumns({len(self)} chunks of {self.ndim} dimensions)"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_from_bytes, (len(self), self.ndim, self.offsets.tobytes(), self.sizes.tobytes()))
+        # dcp.save broadcasts the metadata holding these to every rank: compressed.
+        both = np.concatenate([self.offsets, self.sizes], axis=1)
+        return (_from_bytes, (len(self), self.ndim, pack_array(both)))
 
 
-def _from_bytes(rows: int, ndim: int, offsets: bytes, sizes: bytes) -> ChunkColumns:
-    shape = (rows, ndim)
-    return ChunkColumns(
-        np.frombuffer(offsets, dtype=np.int64).reshape(shape).copy(),
-        np.frombuffer(sizes, dtype=np.int64).reshape(shape).copy(),
-    )
+def pack_array(values: np.ndarray) -> bytes:
+    """An int64 array's little-endian bytes, zstd-compressed (fast: level 1)."""
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=1).compress(np.ascontiguousarray(values, dtype="<i8").tobytes())
+
+
+def unpack_array(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    """The array :func:`pack_array` packed, writable, of ``shape``."""
+    import zstandard
+
+    size = 8 * int(np.prod(shape))
+    return np.frombuffer(zstandard.ZstdDecompressor().decompress(data, max_output_size=size), dtype="<i8").reshape(shape).astype(np.int64)
+
+
+def _from_bytes(rows: int, ndim: int, packed: bytes) -> ChunkColumns:
+    both = unpack_array(packed, (rows, 2 * ndim))
+    return ChunkColumns(both[:, :ndim], both[:, ndim:])
 
 
 def as_columns(chunks: Sequence[ChunkStorageMetadata], ndim: int) -> ChunkColumns:

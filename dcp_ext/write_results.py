@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .global_plan import ChunkWriters
-from .metadata.chunk_columns import as_columns, pack_array, unpack_array
+from .metadata.chunk_columns import ChunkColumns, as_columns, pack_array, unpack_array
 from .metadata.document import FrameIndexRef, StoredItem
 
 __all__ = [
@@ -130,7 +130,7 @@ class StoredColumns(Mapping[MetadataIndex, StoredItem]):
 
     Args:
         spans: Per key, in metadata order, its rows ``[start, stop)``.
-        offsets: Per key, its chunks' offsets (``(rows, ndim)``; ``None`` for bytes values).
+        chunks: Per key, its chunks (the metadata's ``ChunkColumns``; ``None`` for bytes values).
         rows: ``(chunks, 8)`` int64 :data:`ITEM_COLUMNS`.
         files: Each data file: ``(name, size, frame index)``.
         codecs: Codec descriptors (``codec`` column ``k`` is ``codecs[k - 1]``).
@@ -139,20 +139,31 @@ class StoredColumns(Mapping[MetadataIndex, StoredItem]):
     def __init__(
         self,
         spans: dict[str, tuple[int, int]],
-        offsets: dict[str, np.ndarray | None],
+        chunks: dict[str, ChunkColumns | None],
         rows: np.ndarray,
         files: Sequence[tuple[str, int, FrameIndexRef]],
         codecs: Sequence[tuple[str, ...]],
     ) -> None:
-        self.spans, self.offsets, self.rows = spans, offsets, rows
+        self.spans, self.chunks = spans, chunks
+        self._rows: np.ndarray | None = rows
+        self._packed = b""
+        self._count = len(rows)
         self.files, self.codecs = list(files), list(codecs)
         self._row_of: dict[str, dict[tuple[int, ...], int]] = {}
+
+    @property
+    def rows(self) -> np.ndarray:
+        """``(chunks, 8)`` int64 :data:`ITEM_COLUMNS`, in the metadata's chunk order."""
+        if self._rows is None:
+            self._rows = unpack_array(self._packed, (self._count, len(ITEM_COLUMNS)))
+            self._packed = b""
+        return self._rows
 
     def __getitem__(self, index: MetadataIndex) -> StoredItem:
         span = self.spans.get(index.fqn)
         if span is None:
             raise KeyError(index)
-        boxes = self.offsets.get(index.fqn)
+        boxes = self.chunks.get(index.fqn)
         if boxes is None:
             if index.offset is not None:
                 raise KeyError(index)
@@ -161,7 +172,7 @@ class StoredColumns(Mapping[MetadataIndex, StoredItem]):
             raise KeyError(index)
         rows = self._row_of.get(index.fqn)
         if rows is None:
-            rows = self._row_of[index.fqn] = {tuple(o): k for k, o in enumerate(boxes.tolist())}
+            rows = self._row_of[index.fqn] = {tuple(o): k for k, o in enumerate(boxes.offsets.tolist())}
         found = rows.get(tuple(int(o) for o in index.offset))
         if found is None:
             raise KeyError(index)
@@ -176,24 +187,21 @@ class StoredColumns(Mapping[MetadataIndex, StoredItem]):
             frame, indexed=True, frame_index=ref,
         )
 
+    def _indexes(self, fqn: str) -> list[MetadataIndex]:
+        boxes = self.chunks.get(fqn)
+        return [MetadataIndex(fqn)] if boxes is None else [MetadataIndex(fqn, box) for box in boxes.offsets.tolist()]
+
     def __iter__(self) -> Iterator[MetadataIndex]:
         for fqn in self.spans:
-            boxes = self.offsets.get(fqn)
-            if boxes is None:
-                yield MetadataIndex(fqn)
-            else:
-                for box in boxes.tolist():
-                    yield MetadataIndex(fqn, box)
+            yield from self._indexes(fqn)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self._count
 
     def items(self) -> Iterator[tuple[MetadataIndex, StoredItem]]:  # type: ignore[override]
         """Every ``(index, item)``, built key by key (much faster than looking each up)."""
         for fqn, (a, b) in self.spans.items():
-            boxes = self.offsets.get(fqn)
-            indexes = [MetadataIndex(fqn)] if boxes is None else [MetadataIndex(fqn, box) for box in boxes.tolist()]
-            yield from zip(indexes, self._items(a, b))
+            yield from zip(self._indexes(fqn), self._items(a, b))
 
     def values(self) -> Iterator[StoredItem]:  # type: ignore[override]
         for a, b in self.spans.values():
@@ -209,25 +217,26 @@ class StoredColumns(Mapping[MetadataIndex, StoredItem]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # dcp.save broadcasts the metadata to every rank: the columns go compressed.
-        boxes = {fqn: None if o is None else (o.shape, pack_array(o)) for fqn, o in self.offsets.items()}
-        rows = pack_array(self.rows)
-        return (_stored_columns, (self.spans, boxes, rows, len(self.rows), self.files, self.codecs))
+        # The chunks' offsets are the metadata's ChunkColumns, pickled once with it.
+        rows = self._packed if self._rows is None else pack_array(self._rows)
+        return (_stored_columns, (self.spans, self.chunks, rows, self._count, self.files, self.codecs))
 
 
-def _stored_columns(spans: dict[str, tuple[int, int]], boxes: dict[str, Any], rows: bytes,
+def _stored_columns(spans: dict[str, tuple[int, int]], chunks: dict[str, ChunkColumns | None], rows: bytes,
                     count: int, files: list[tuple[str, int, FrameIndexRef]], codecs: list[tuple[str, ...]]) -> StoredColumns:
-    offsets = {fqn: None if box is None else unpack_array(box[1], tuple(box[0])) for fqn, box in boxes.items()}
-    return StoredColumns(spans, offsets, unpack_array(rows, (count, len(ITEM_COLUMNS))), files, codecs)
+    stored = StoredColumns(spans, chunks, np.empty((0, len(ITEM_COLUMNS)), dtype=np.int64), files, codecs)
+    stored._rows, stored._packed, stored._count = None, rows, count  # unpacked when first used
+    return stored
 
 
 def gather_stored(
-    writers: ChunkWriters, offsets: dict[str, np.ndarray | None], results: Sequence[Sequence[WriteResult]]
+    writers: ChunkWriters, chunks: dict[str, ChunkColumns | None], results: Sequence[Sequence[WriteResult]]
 ) -> StoredColumns:
     """(coordinator) The ranks' packed results lined up with the metadata's chunks.
 
     Args:
         writers: Which rank's item each chunk is (from the global plan).
-        offsets: Per key, its chunks' offsets (``None`` for bytes values).
+        chunks: Per key, its chunks (``None`` for bytes values).
         results: Every rank's results (each one :class:`RankWriteResults`).
 
     Raises:
@@ -266,7 +275,7 @@ def gather_stored(
     rows = every[base[ranks] + positions, 1:]
     del every
     return StoredColumns(
-        writers.spans, offsets, rows, files, [c for c, _ in sorted(codecs.items(), key=lambda kv: kv[1])]
+        writers.spans, chunks, rows, files, [c for c, _ in sorted(codecs.items(), key=lambda kv: kv[1])]
     )
 
 
@@ -293,8 +302,8 @@ def collect_stored(
             "the ranks packed their write results but the metadata does not say which rank "
             "wrote which chunk; was the save planned by dcp_ext's LayoutSavePlanner?"
         )
-    offsets: dict[str, Any] = {
-        fqn: as_columns(md.chunks, len(md.size)).offsets if isinstance(md, TensorStorageMetadata) else None
+    chunks: dict[str, ChunkColumns | None] = {
+        fqn: as_columns(md.chunks, len(md.size)) if isinstance(md, TensorStorageMetadata) else None
         for fqn, md in metadata.state_dict_metadata.items()
     }
-    return gather_stored(writers, offsets, results)
+    return gather_stored(writers, chunks, results)

@@ -171,6 +171,10 @@ def test_packed_write_results_encode_like_one_result_per_item() -> None:
     assert pickle.loads(pickle.dumps(stored))[MetadataIndex("optim.lr")] == items[MetadataIndex("optim.lr")]
     with pytest.raises(KeyError):
         stored[MetadataIndex("model.w", [1, 0])]
+    # What dcp.save broadcasts: the metadata with its columns, compressed, unpacked when used.
+    metadata.storage_data = stored
+    back = pickle.loads(pickle.dumps(metadata))
+    assert back.state_dict_metadata == metadata.state_dict_metadata and dict(back.storage_data.items()) == items
     # The document from the columns decodes exactly as from one result per item.
     from_columns = decode_metadata(encode_metadata(metadata, stored, world_size=4, version=3), "a")
     from_items = decode_metadata(encode_metadata(metadata, items, world_size=4, version=3), "b")

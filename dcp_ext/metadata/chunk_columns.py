@@ -38,7 +38,7 @@ class ChunkColumns(Sequence[ChunkStorageMetadata]):
         ValueError: The arrays are not two-dimensional of one shape.
     """
 
-    __slots__ = ("offsets", "sizes")
+    __slots__ = ("_offsets", "_sizes", "_packed", "_shape")
 
     def __init__(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
         offsets = np.ascontiguousarray(offsets, dtype=np.int64)
@@ -49,8 +49,45 @@ class ChunkColumns(Sequence[ChunkStorageMetadata]):
             )
         offsets.flags.writeable = False
         sizes.flags.writeable = False
-        self.offsets = offsets
-        self.sizes = sizes
+        self._offsets: np.ndarray | None = offsets
+        self._sizes: np.ndarray | None = sizes
+        self._packed: bytes | None = None
+        self._shape: tuple[int, int] = (int(offsets.shape[0]), int(offsets.shape[1]))
+
+    @classmethod
+    def _unpickled(cls, rows: int, ndim: int, packed: bytes) -> ChunkColumns:
+        """Columns whose arrays are unpacked when first used: every rank
+        receives the metadata ``dcp.save`` broadcasts, few look at its chunks."""
+        self = cls.__new__(cls)
+        self._offsets = self._sizes = None
+        self._packed = packed
+        self._shape = (rows, ndim)
+        return self
+
+    def _unpack(self) -> None:
+        assert self._packed is not None
+        rows, ndim = self._shape
+        both = unpack_array(self._packed, (rows, 2 * ndim))
+        offsets, sizes = np.ascontiguousarray(both[:, :ndim]), np.ascontiguousarray(both[:, ndim:])
+        offsets.flags.writeable = False
+        sizes.flags.writeable = False
+        self._offsets, self._sizes, self._packed = offsets, sizes, None
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``(n, ndim)`` int64 chunk offsets (read-only)."""
+        if self._offsets is None:
+            self._unpack()
+        assert self._offsets is not None
+        return self._offsets
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """``(n, ndim)`` int64 chunk sizes (read-only)."""
+        if self._sizes is None:
+            self._unpack()
+        assert self._sizes is not None
+        return self._sizes
 
     @classmethod
     def of(cls, chunks: Iterable[ChunkStorageMetadata], ndim: int) -> ChunkColumns:
@@ -65,10 +102,10 @@ class ChunkColumns(Sequence[ChunkStorageMetadata]):
     @property
     def ndim(self) -> int:
         """Dimensions of the tensor."""
-        return int(self.offsets.shape[1])
+        return self._shape[1]
 
     def __len__(self) -> int:
-        return int(self.offsets.shape[0])
+        return self._shape[0]
 
     @overload
     def __getitem__(self, index: int) -> ChunkStorageMetadata: ...
@@ -100,9 +137,12 @@ class ChunkColumns(Sequence[ChunkStorageMetadata]):
         return f"ChunkColumns({len(self)} chunks of {self.ndim} dimensions)"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # dcp.save broadcasts the metadata holding these to every rank: compressed.
-        both = np.concatenate([self.offsets, self.sizes], axis=1)
-        return (_from_bytes, (len(self), self.ndim, pack_array(both)))
+        # dcp.save broadcasts the metadata holding these to every rank: compressed,
+        # and unpacked on a rank only when used.
+        packed = self._packed
+        if packed is None:
+            packed = pack_array(np.concatenate([self.offsets, self.sizes], axis=1))
+        return (ChunkColumns._unpickled, (len(self), self.ndim, packed))
 
 
 def pack_array(values: np.ndarray) -> bytes:
@@ -118,11 +158,6 @@ def unpack_array(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
 
     size = 8 * int(np.prod(shape))
     return np.frombuffer(zstandard.ZstdDecompressor().decompress(data, max_output_size=size), dtype="<i8").reshape(shape).astype(np.int64)
-
-
-def _from_bytes(rows: int, ndim: int, packed: bytes) -> ChunkColumns:
-    both = unpack_array(packed, (rows, 2 * ndim))
-    return ChunkColumns(both[:, :ndim], both[:, ndim:])
 
 
 def as_columns(chunks: Sequence[ChunkStorageMetadata], ndim: int) -> ChunkColumns:

@@ -348,7 +348,7 @@ def _stored_columns(metadata: Metadata, items: Mapping[MetadataIndex, StoredItem
                 found = [by_box[(fqn, torch.Size(o))] for o in columns.offsets.tolist()]
             except KeyError as err:
                 raise ValueError(f"{where}: no writer reported where a chunk of {fqn!r} went") from err
-            offsets[fqn] = columns.offsets
+            offsets[fqn] = columns
         else:
             one = by_box.get((fqn, None))
             if one is None:

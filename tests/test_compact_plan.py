@@ -172,7 +172,7 @@ def test_packed_write_results_encode_like_one_result_per_item() -> None:
     with pytest.raises(KeyError):
         stored[MetadataIndex("model.w", [1, 0])]
     # What dcp.save broadcasts: the metadata with its columns, compressed, unpacked when used.
-    metadata.storage_data = stored
+    writers, metadata.storage_data = metadata.storage_data, stored
     back = pickle.loads(pickle.dumps(metadata))
     assert back.state_dict_metadata == metadata.state_dict_metadata and dict(back.storage_data.items()) == items
     # The document from the columns decodes exactly as from one result per item.
@@ -185,6 +185,7 @@ def test_packed_write_results_encode_like_one_result_per_item() -> None:
     torch_md = load_torch_metadata(to_torch_metadata(metadata, stored), "t")
     assert all(type(md.chunks) is list for md in torch_md.state_dict_metadata.values() if hasattr(md, "chunks"))
     # A rank that lost an item, or numbered its items wrongly, is named.
+    metadata.storage_data = writers
     short = list(packed)
     part = short[2][0].storage_data
     rows = part.row_array()[1:]

@@ -103,7 +103,7 @@ def test_vectorized_global_plan_equals_torch_and_writes_each_value_once() -> Non
             if item.index.fqn not in left:
                 writers.setdefault(item.index.fqn, []).append(r)
     assert len(writers["optim.step"]) == 1 and len(writers["optim.lr"]) == 1
-    assert writers["optim.step"] != writers["optim.lr"]
+    assert writers["optim.step"] == writers["optim.lr"] == [0]  # small values: the lowest holder
     assert writers["model.w"] == [0, 1, 2, 3, 4] + writers["model.w"][5:] and len(writers["model.w"]) == 6
     assert all(k in planned.written_keys[r] for r in range(world) for k in ("model.cube", "model.grid"))
     # ChunkWriters: each chunk's rank and position in that rank's final plan.
@@ -112,6 +112,25 @@ def test_vectorized_global_plan_equals_torch_and_writes_each_value_once() -> Non
     a, b = cw.spans["model.cube"]
     assert cw.ranks[a:b].tolist() == list(range(world))
     assert cw.positions[a:b].tolist() == [1 if r in writers["model.w"] else 0 for r in range(world)]
+
+
+def test_large_replicated_values_go_to_the_least_loaded_holder() -> None:
+    # Every rank holds two 8 KiB replicated tensors and a row shard; ranks 2
+    # and 3 hold empty shards, so they are the least loaded.
+    plans = []
+    for r in range(4):
+        rows = 2 if r < 2 else 0
+        plans.append(SavePlan([
+            _item("model.w", (4, 1024), (2 * r if rows else 4, 0), (rows, 1024)),
+            _item("model.a", (2048,), (0,), (2048,), WriteItemType.TENSOR),
+            _item("model.b", (2048,), (0,), (2048,), WriteItemType.TENSOR),
+            _item("model.tiny", (8,), (0,), (8,), WriteItemType.TENSOR),
+        ]))
+    planned = create_global_save_plan(plans)
+    writer = {fqn: [r for r in range(4) if plans[r].items[k].index.fqn == fqn and k not in planned.dropped[r].tolist()]
+              for k, fqn in enumerate(("model.w", "model.a", "model.b", "model.tiny"))}
+    assert sorted([writer["model.a"][0], writer["model.b"][0]]) == [2, 3]  # spread over the idle ranks
+    assert writer["model.tiny"] == [0]
 
 
 @pytest.mark.parametrize("change,match", [

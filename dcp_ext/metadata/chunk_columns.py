@@ -41,12 +41,15 @@ class ChunkColumns(Sequence[ChunkStorageMetadata]):
     __slots__ = ("_offsets", "_sizes", "_packed", "_shape")
 
     def __init__(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
-        offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-        sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+        # Views are kept as they are (a decoded table's columns are not row-major): no copy.
+        offsets = np.asarray(offsets, dtype=np.int64)
+        sizes = np.asarray(sizes, dtype=np.int64)
         if offsets.ndim != 2 or offsets.shape != sizes.shape:
             raise ValueError(
                 f"chunk offsets {offsets.shape} and sizes {sizes.shape} must be two arrays of shape (chunks, ndim)"
             )
+        offsets = offsets.view()  # read-only views: the caller's arrays keep their flags
+        sizes = sizes.view()
         offsets.flags.writeable = False
         sizes.flags.writeable = False
         self._offsets: np.ndarray | None = offsets

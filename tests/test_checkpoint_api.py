@@ -15,6 +15,7 @@ from torch import nn
 
 import dcp_ext
 from dcp_ext import CheckpointManager, resume_from_checkpoint, save_checkpoint
+from dcp_ext.layout import Partition
 from tests.support import api_workers
 from tests.support.backends import BUCKET
 from tests.support.compare import assert_same_state
@@ -38,8 +39,8 @@ def test_layout_partition_and_export(tmp_path: Path) -> None:
         {"dp": 0, "tp": 0}, {"dp": 0, "tp": 1}, {"dp": 1, "tp": 0}, {"dp": 1, "tp": 1}
     ]
     assert partition["ranks"][3]["files"] == ["model_dp1_tp1.distcp", "optimizer_dp1_tp1.distcp"]
-    runs = [r["keys"]["model"] for r in partition["ranks"]]
-    written = {k for r in runs for a, b in zip(r[::2], r[1::2]) for k in partition["key_table"][a:b]}
+    decoded = Partition.from_json(json.dumps(partition).encode(), "partition.json")
+    written = {k for r in decoded.ranks for k in r.keys["model"]}
     assert written == {f"model.{k}" for k in report["full"]}
     plain = report["plain_partition"]
     assert plain["mesh"] is None and [r["coords"] for r in plain["ranks"]] == [{}] * 4

@@ -254,8 +254,11 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
         del plans, global_plans  # the coordinator dropped the gathered plans after planning (as in dcp.save)
         results, out["gathered_result_bytes"] = _gathered(clock, "gather results", written.results)
 
+        writers = metadata.storage_data  # which rank wrote each chunk (the planner's), replaced by finish
+
         def finish() -> tuple[Any, bytes]:
-            # CheckpointWriter.finish: where every chunk went, then the document.
+            # CheckpointWriter.finish: where every chunk went, then the document (repeatable).
+            metadata.storage_data = writers
             items = collect_dcp_ext(metadata, results)
             metadata.storage_data = items
             metadata.storage_meta = _storage_meta(case)

@@ -294,17 +294,27 @@ def _dedup(key_of: np.ndarray, offsets: np.ndarray, rank_of: np.ndarray, nbytes:
     dropped = np.zeros(total, dtype=bool)
     if total == 0:
         return dropped
-    hashes = _hash(key_of, offsets)
-    order = np.argsort(hashes, kind="stable")
-    starts_group = _run_starts(key_of, offsets, order)
-    # Equal rows are adjacent unless a different row with the same hash lies
-    # between them; then sort exactly (never seen in practice, never wrong).
-    sorted_hashes = hashes[order]
-    del hashes
-    if bool((starts_group[1:] & (sorted_hashes[1:] == sorted_hashes[:-1])).any()):
-        order = np.lexsort((*(offsets[:, d] for d in reversed(range(offsets.shape[1]))), key_of))
+    code = _packed_rows(key_of, offsets)
+    if code is not None:
+        # (key, offsets) packed into one int64 each: equal codes are equal rows.
+        order = np.argsort(code, kind="stable")
+        sorted_code = code[order]
+        del code
+        starts_group = np.ones(total, dtype=bool)
+        starts_group[1:] = sorted_code[1:] != sorted_code[:-1]
+        del sorted_code
+    else:
+        hashes = _hash(key_of, offsets)
+        order = np.argsort(hashes, kind="stable")
         starts_group = _run_starts(key_of, offsets, order)
-    del sorted_hashes
+        # Equal rows are adjacent unless a different row with the same hash lies
+        # between them; then sort exactly (never seen in practice, never wrong).
+        sorted_hashes = hashes[order]
+        del hashes
+        if bool((starts_group[1:] & (sorted_hashes[1:] == sorted_hashes[:-1])).any()):
+            order = np.lexsort((*(offsets[:, d] for d in reversed(range(offsets.shape[1]))), key_of))
+            starts_group = _run_starts(key_of, offsets, order)
+        del sorted_hashes
     groups = np.flatnonzero(starts_group)
     order_first = order[groups]  # both sorts are stable: the first holder in rank order
     ends = np.append(groups[1:], total)
@@ -315,18 +325,39 @@ def _dedup(key_of: np.ndarray, offsets: np.ndarray, rank_of: np.ndarray, nbytes:
     for g in shared:
         shared_mask[order[groups[g] : ends[g]]] = True
     loads = np.bincount(rank_of[~shared_mask], weights=nbytes[~shared_mask], minlength=world)
-    for g in shared[np.argsort(order_first[shared], kind="stable")]:
-        members = np.sort(order[groups[g] : ends[g]])
-        holders, first = np.unique(rank_of[members], return_index=True)
-        # A small value goes to its lowest holder: spread over the ranks, the
-        # per-parameter `step` scalars of Adam would make every loading rank
-        # read a few bytes from hundreds of files.
-        choice = 0 if nbytes[members[0]] <= SMALL_ITEM_BYTES else int(np.argmin(loads[holders]))
-        chosen = members[first[choice]]
-        loads[holders[choice]] += nbytes[chosen]
+    for g in shared[np.argsort(order_first[shared], kind="stable")].tolist():
+        members = order[groups[g] : ends[g]]  # ascending: the stable sorts keep rank-major item order
         dropped[members] = True
+        if nbytes[members[0]] <= SMALL_ITEM_BYTES:
+            # A small value goes to its lowest holder: spread over the ranks,
+            # Adam's per-parameter `step` scalars would make every loading
+            # rank read a few bytes from hundreds of files.
+            dropped[members[0]] = False
+            continue
+        ranks = rank_of[members]
+        distinct = np.ones(len(members), dtype=bool)  # a rank holding an item twice counts once
+        distinct[1:] = ranks[1:] != ranks[:-1]
+        candidates = members[distinct]
+        chosen = candidates[int(np.argmin(loads[rank_of[candidates]]))]  # ties: the lowest rank
+        loads[rank_of[chosen]] += nbytes[chosen]
         dropped[chosen] = False
     return dropped
+
+
+def _packed_rows(key_of: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
+    """Each row's (key, offsets) as one int64, bit fields wide enough for the
+    largest value of each column; ``None`` if they need more than 63 bits
+    (or an offset is negative: such a plan fails validation later anyway)."""
+    if len(key_of) == 0 or (offsets.size and int(offsets.min()) < 0):
+        return None
+    widths = [int(key_of.max()).bit_length()] + [int(offsets[:, d].max()).bit_length() for d in range(offsets.shape[1])]
+    if sum(widths) > 63:
+        return None
+    code = key_of.astype(np.int64)
+    for d, width in enumerate(widths[1:]):
+        code <<= width
+        code |= offsets[:, d]
+    return code
 
 
 def _run_starts(key_of: np.ndarray, offsets: np.ndarray, order: np.ndarray) -> np.ndarray:

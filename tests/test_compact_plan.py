@@ -212,3 +212,21 @@ def test_packed_write_results_encode_like_one_result_per_item() -> None:
         part.files, part.codecs, zlib.compress(rows.tobytes()), len(rows)))]
     with pytest.raises(ValueError, match="rank 2's write results do not number its items|rank 2 reported no write result"):
         collect_stored(metadata, short)
+
+
+def test_offsets_too_wide_to_pack_take_the_hashed_dedup() -> None:
+    """(key, offsets) that do not fit one int64 are grouped by hash, with an exact check."""
+    huge = 1 << 61
+    plans = [
+        SavePlan([
+            _item("model.huge", (2 * huge,), (r * huge,), (huge,)),
+            _item("model.shared", (2 * huge,), (0,), (8,), WriteItemType.TENSOR),
+            _item("model.tiny", (8,), (0,), (8,), WriteItemType.TENSOR),
+        ])
+        for r in range(2)
+    ]
+    plans[0].items[1] = _item("model.shared", (8,), (0,), (8,), WriteItemType.TENSOR)
+    plans[1].items[1] = _item("model.shared", (8,), (0,), (8,), WriteItemType.TENSOR)
+    planned = create_global_save_plan(plans)
+    assert [d.tolist() for d in planned.dropped] == [[], [1, 2]]  # rank 1 leaves both shared values to rank 0
+    assert [tuple(c.offsets) for c in planned.metadata.state_dict_metadata["model.huge"].chunks] == [(0,), (huge,)]

@@ -172,7 +172,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     limit = PrefixRateLimit(args.rate, args.burst)
     with tempfile.TemporaryDirectory(prefix="bench-s3-rate-") as tmp, isolated_aws_env():
         if args.server == "seaweedfs":
-            server = start_seaweedfs(tmp)  # Go, ~10x less CPU per request than moto; no part minimum
+            if args.part_size < 5 * 1024 * KiB:
+                raise SystemExit(
+                    "SeaweedFS refuses multipart parts under 5 MiB when an upload completes (EntityTooSmall, "
+                    "as S3 does): use --part-size 5242880 or more with --server seaweedfs"
+                )
+            server = start_seaweedfs(tmp)  # Go: far less CPU per request than moto
         else:
             server = start_moto(tmp, env={"S3_UPLOAD_PART_MIN_SIZE": str(args.part_size)})
         try:

@@ -14,7 +14,8 @@ then the stored item's ``file`` (index into the document's ``files``),
 uncompressed), ``codec`` (``0``: none, else 1 + index into ``codecs``) and
 ``frame`` (raw bytes per frame). A bytes value is one row with ``d = 0``.
 FSDP's columns are arithmetic or constant, so the table compresses to a few
-bytes per chunk.
+bytes per chunk. The coordinator writes it with
+:class:`~dcp_ext.metadata.table_encode.TableEncoder`.
 
 Decoding keeps the table as one int64 array: each tensor's chunks become a
 :class:`~dcp_ext.metadata.chunk_columns.ChunkColumns` over its columns
@@ -40,52 +41,10 @@ from ..errors import CheckpointCorruptError, UnsupportedCodecError
 from .chunk_columns import ChunkColumns
 from .document import MAX_FRAME_SIZE, StoredItem
 
-__all__ = ["ChunkLocations", "KeyTotals", "TableWriter", "columns_of", "decode_table", "read_key_rows"]
+__all__ = ["ChunkLocations", "KeyTotals", "columns_of", "decode_table", "read_key_rows"]
 
 _ITEM_COLUMNS = 8
 _MAX_TABLE_BYTES = 1 << 34
-
-
-class TableWriter:
-    """Builds the chunk table key by key (the coordinator, at commit)."""
-
-    def __init__(self, files: Mapping[str, int], codecs: dict[tuple[str, ...], int]) -> None:
-        self._files = files
-        self._codecs = codecs
-        self._values = array("q")
-
-    def add(self, offsets: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], items: Sequence[StoredItem]) -> list[int]:
-        """Append one key's rows; returns its ``table`` entry ``[first, rows]``."""
-        first, rows = len(self._values), len(items)
-        ndim = len(offsets[0]) if offsets else 0
-        values = self._values
-        for d in range(ndim):
-            values.extend([o[d] for o in offsets])
-        for d in range(ndim):
-            values.extend([s[d] for s in sizes])
-        files, codecs = self._files, self._codecs
-        values.extend([files[i.relative_path] for i in items])
-        values.extend([i.offset for i in items])
-        values.extend([i.length for i in items])
-        values.extend([i.data_offset for i in items])
-        values.extend([i.data_length for i in items])
-        values.extend([i.raw_length for i in items])
-        values.extend([codecs.setdefault(i.transforms, len(codecs) + 1) if i.transforms else 0 for i in items])
-        values.extend([i.frame_size for i in items])
-        return [first, rows]
-
-    def finish(self) -> tuple[str, str, int]:
-        """The ``chunk_table`` field (base64 of the compressed integers), its
-        ``chunk_table_codec`` (``zstd``, or ``zlib`` without the zstandard
-        package) and its raw bytes."""
-        raw = self._values.tobytes() if _LITTLE else _swapped(self._values)
-        try:
-            import zstandard
-        except ImportError:
-            codec, packed = "zlib", zlib.compress(raw, 1)
-        else:
-            codec, packed = "zstd", zstandard.ZstdCompressor(level=3).compress(raw)
-        return base64.b64encode(packed).decode("ascii"), codec, len(raw)
 
 
 def decode_table(text: Any, codec: Any, raw_length: Any, where: str) -> np.ndarray:

@@ -148,9 +148,8 @@ def finish_data_file(name: str, items: list[StoredItem]) -> tuple[list[StoredIte
 
 
 def pack_rank_results(positions: list[int], stored: list[StoredItem]) -> list[Any]:
-    """(each rank, ``CheckpointWriter.write_data``) The rank's write results as
-    it reports them: packed into one (version 3), else one per item."""
-
+    """(each rank, ``CheckpointWriter.write_data``) The rank's write results
+    packed into one, as it reports them with metadata version 3."""
     if metadata_version() < 3:
         raise ValueError("packed write results need metadata version 3")
     from dcp_ext.write_results import pack_results

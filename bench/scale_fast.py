@@ -22,18 +22,17 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_ext._torch_format import torch_save_envelope
 from dcp_ext.compact_plan import CompactSavePlan, KeyEntry, compact_plan
-from dcp_ext.layout import FileAssignment, item_kind
+from dcp_ext.layout import FileAssignment, key_kind
 from dcp_ext.metadata.document import FrameIndexRef
 from dcp_ext.metadata.frame_index import frame_index_of
 from dcp_ext.write_results import RESULTS_INDEX, RankWriteResults
 
-from .model_shapes import ModelShape
+from .model_shapes import OPTIMIZER_STATES, ModelShape
 from .scale_plans import FRAME_SIZE, Layout, WrittenFiles, _bytes_lengths, local_chunk, rank_save_plan
 
 __all__ = ["sent_plans", "packed_results"]
@@ -70,7 +69,7 @@ def _shard_params(shape: ModelShape, entries: list[KeyEntry]) -> dict[str, int]:
     of: dict[str, int] = {}
     for k, param in enumerate(shape.params()):
         of[f"model.{param.fqn}"] = k
-        for state in ("exp_avg", "exp_avg_sq"):
+        for state in OPTIMIZER_STATES:
             of[f"optimizer.state.{param.fqn}.{state}"] = k
     return {e.fqn: of[e.fqn] for e in entries if e.kind == WriteItemType.SHARD.value}
 
@@ -139,7 +138,7 @@ def _kind_table(entries: list[KeyEntry], replicated_apart: bool) -> tuple[list[s
     names: list[str] = []
     ids = []
     for e in entries:
-        kind = item_kind(WriteItem(MetadataIndex(e.fqn), WriteItemType(e.kind)), replicated_apart) if e.kind else ""
+        kind = key_kind(e.fqn, e.kind == WriteItemType.SHARD.value, replicated_apart) if e.kind else ""
         if kind not in names:
             names.append(kind)
         ids.append(names.index(kind))

@@ -50,6 +50,7 @@ __all__ = [
     "KIND_FILES",
     "kind_of",
     "item_kind",
+    "key_kind",
     "REPLICATED_KIND",
     "DATA_SUFFIX",
     "data_file_name",
@@ -130,11 +131,16 @@ REPLICATED_KIND = "replicated"
 
 
 def item_kind(item: WriteItem, replicated_apart: bool = False) -> str:
-    """The data-file stem of a saved item: :func:`kind_of` its key, or
-    :data:`REPLICATED_KIND` for a non-shard item when ``replicated_apart``."""
-    if replicated_apart and item.type != WriteItemType.SHARD:
+    """The data-file stem of a saved item (:func:`key_kind`)."""
+    return key_kind(item.index.fqn, item.type == WriteItemType.SHARD, replicated_apart)
+
+
+def key_kind(fqn: str, shard: bool, replicated_apart: bool = False) -> str:
+    """The data-file stem of a key's items: :func:`kind_of` the key, or
+    :data:`REPLICATED_KIND` for a non-shard key when ``replicated_apart``."""
+    if replicated_apart and not shard:
         return REPLICATED_KIND
-    return kind_of(item.index.fqn)
+    return kind_of(fqn)
 
 
 def data_file_name(kind: str, position: str) -> str:

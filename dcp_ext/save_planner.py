@@ -33,7 +33,7 @@ from .layout import (
     Partition,
     RankPartition,
     data_file_name,
-    item_kind,
+    key_kind,
     position_name,
     spread_name,
 )
@@ -141,9 +141,7 @@ class LayoutSavePlanner(DefaultSavePlanner):
         planned = create_global_save_plan(all_plans)
         metadata = self.metadata = planned.metadata
         kinds = {
-            entry.fqn: item_kind(
-                WriteItem(MetadataIndex(entry.fqn), WriteItemType(entry.kind)), self.replicated_apart
-            )
+            entry.fqn: key_kind(entry.fqn, entry.kind == WriteItemType.SHARD.value, self.replicated_apart)
             for entry in planned.keys
             if entry.kind != NO_ITEM
         }

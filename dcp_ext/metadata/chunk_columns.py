@@ -165,4 +165,4 @@ def unpack_array(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
 
 def as_columns(chunks: Sequence[ChunkStorageMetadata], ndim: int) -> ChunkColumns:
     """``chunks`` as columns (itself when it already is)."""
-    return chunks if isinstance(chunks, ChunkColumns) else ChunkColumns.of(chunks, ndim)
+    return ChunkColumns.of(chunks, ndim)

@@ -30,7 +30,7 @@ from .full import CREATED_KEY
 from .integrity import read_own_metadata, verify
 from .layout import PARTIAL_SUFFIX
 from .retention import KeepEvery, KeepLast, RetentionPolicy
-from .root import CheckpointRoot
+from .root import RETIRED_FILE, CheckpointRoot
 from .storage import Store, join_path, normalize_path, open_store
 
 __all__ = ["main"]
@@ -130,6 +130,10 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
     try:
         decoded = _load_metadata(path, options)
     except FileNotFoundError:
+        store = open_store(path, IOConfig.from_env(), options)
+        if store.exists(RETIRED_FILE):  # deleted; keeps the files later incremental checkpoints refer to
+            kept = [n for n in store.list_tree() if n.endswith(".distcp")]
+            return entry | {"state": "retired", "stored_bytes": sum(store.size(n) for n in kept)}
         return entry | {"state": "incomplete"}
     except CheckpointCorruptError:
         return entry | {"state": "damaged"}
@@ -137,6 +141,9 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
     data = sum(t.data_bytes for t in totals)
     entry.update(stored_bytes=sum(decoded.files.values()), ratio=sum(t.raw_bytes for t in totals) / data if data else 1.0,
                  world_size=decoded.world_size, created=decoded.created)
+    if decoded.incremental is not None:
+        entry.update(referenced_bytes=decoded.incremental.referenced_bytes, base=decoded.incremental.base,
+                     chain=decoded.incremental.chain)
     try:
         mesh = json.loads(open_store(path, IOConfig.from_env(), options).read_file("partition.json")).get("mesh")
         if mesh:
@@ -244,13 +251,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not entries:
         print(f"no checkpoints under {store.describe()}")
         return 0
-    rows = [["tag", "state", "newest", "stored", "ratio", "world", "mesh", "created"]
-            + (["tiers"] if args.local_tier else [])]
+    incremental = any("referenced_bytes" in e for e in entries)
+    rows = [["tag", "state", "newest", "stored"] + (["refers to", "base"] if incremental else [])
+            + ["ratio", "world", "mesh", "created"] + (["tiers"] if args.local_tier else [])]
     for e in entries:
         state = f"full ({e['format']})" if e["state"] == "full" else e["state"]
+        refers = [_size(e["referenced_bytes"]) if "referenced_bytes" in e else "", e.get("base") or ""]
         rows.append([
             e["tag"], state, "*" if e["newest"] else "",
             _size(e["stored_bytes"]) if e["stored_bytes"] is not None else "",
+        ] + (refers if incremental else []) + [
             f"{e['ratio']:.2f}" if e["ratio"] is not None else "",
             str(e["world_size"] or ""),
             "x".join(f"{k}={v}" for k, v in e["mesh"].items()) if e["mesh"] else "",

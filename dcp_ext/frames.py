@@ -42,6 +42,7 @@ from ._ranges import Piece
 from ._torch_format import Envelope
 from .codecs import Codec, check_descriptors, decode_frame
 from .config import usable_cores
+from .incremental import BaseItem
 from .errors import CheckpointCorruptError, ChecksumMismatchError, DcpExtError
 
 __all__ = [
@@ -82,6 +83,9 @@ class FrameSpan:
         stored_length: Stored bytes.
         checksum: Checksum of the stored bytes, or ``None`` (checkpoints
             written before checksums existed).
+        file: The file holding the stored bytes: the item's own data file,
+            or (incremental saves) a reference to an earlier checkpoint's
+            (:func:`~dcp_ext.metadata.document.reference_name`).
     """
 
     index: int
@@ -91,6 +95,7 @@ class FrameSpan:
     stored_offset: int
     stored_length: int
     checksum: int | None
+    file: str = ""
 
     @property
     def raw_end(self) -> int:
@@ -118,14 +123,19 @@ class FrameTable:
         item = self.item
         raw_start = k * self.frame_size
         raw_length = min(self.frame_size, self.raw_size - raw_start)
-        base = item.offset + item.data_offset
         if self._starts is None:
-            stored_offset, stored_length = base + raw_start, raw_length
+            stored_length = raw_length
+            stored_start = raw_start
         else:
-            stored_offset = base + self._starts[k]
-            stored_length = self._starts[k + 1] - self._starts[k]
+            stored_start = self._starts[k]
+            stored_length = self._starts[k + 1] - stored_start
         crc = item.checksums[k] if item.checksums else None
-        return FrameSpan(k, self.count, raw_start, raw_length, stored_offset, stored_length, crc)
+        if item.frame_offsets:  # incremental saves: each frame where it lies, maybe in an earlier save's file
+            source = item.frame_sources[k] if item.frame_sources else ""
+            return FrameSpan(k, self.count, raw_start, raw_length, item.frame_offsets[k], stored_length, crc,
+                             source or item.relative_path)
+        stored_offset = item.offset + item.data_offset + stored_start
+        return FrameSpan(k, self.count, raw_start, raw_length, stored_offset, stored_length, crc, item.relative_path)
 
     def covering(self, raw_start: int, raw_end: int) -> range:
         """Indices of the frames holding raw bytes ``[raw_start, raw_end)``."""
@@ -156,13 +166,16 @@ def frame_table(item: StoredItem, where: str) -> FrameTable:
 class _OpenItem:
     """An item whose encoded frames are being written."""
 
-    __slots__ = ("owner", "raw", "transforms", "start", "lengths", "sums")
+    __slots__ = ("owner", "raw", "transforms", "start", "lengths", "sums", "base", "hashes", "offsets", "sources")
 
-    def __init__(self, owner: Any, raw: memoryview, transforms: tuple[str, ...]) -> None:
-        self.owner, self.raw, self.transforms = owner, raw, transforms
+    def __init__(self, owner: Any, raw: memoryview, transforms: tuple[str, ...], base: BaseItem | None = None) -> None:
+        self.owner, self.raw, self.transforms, self.base = owner, raw, transforms, base
         self.start = -1
         self.lengths: list[int] = []
         self.sums: list[int] = []
+        self.hashes = bytearray()
+        self.offsets: list[int] = []
+        self.sources: list[str] = []
 
 
 class FrameEncoder:
@@ -177,24 +190,35 @@ class FrameEncoder:
     :meth:`finish` for where each went. The crash point ``mid_data`` fires
     once the file's first item is written.
 
+    With ``hashing`` (incremental saves, :mod:`dcp_ext.incremental`) each
+    frame's raw bytes are also hashed (xxh3-128) and every item records where
+    each of its frames lies; a frame whose hash equals that of the same frame
+    of the item's ``base`` is not written: the item refers to the base's
+    stored bytes instead.
+
     Args:
         out: The file being written: ``position`` (bytes written so far) and
             ``write(bytes)``.
         name: The file's name in the checkpoint.
         frame_size: Raw bytes per frame.
         codec: How to compress frames, or ``None`` to store them raw.
+        hashing: Hash frames and record their locations (incremental saves).
     """
 
-    def __init__(self, out: Any, name: str, frame_size: int, codec: Codec | None) -> None:
+    def __init__(self, out: Any, name: str, frame_size: int, codec: Codec | None, hashing: bool = False) -> None:
         self._out = out
         self._name = name
         self._frame_size = frame_size
         self._codec = codec
+        self._hashing = hashing
+        #: Stored bytes of frames referred to instead of written, per referenced file.
+        self.referenced: dict[str, int] = {}
         self._stored: list[StoredItem] = []
         self._threads = usable_cores()
         self._pool: ThreadPoolExecutor | None = None
         # Encoded frames in write order; ``None`` marks the end of an item.
-        self._pending: deque[tuple[_OpenItem, Future[tuple[bytes, int]] | None]] = deque()
+        # Incremental saves' tasks also return the raw hash, and None for a frame the base holds.
+        self._pending: deque[tuple[_OpenItem, Future[Any] | None]] = deque()
 
     def __enter__(self) -> FrameEncoder:
         if self._codec is not None:
@@ -218,6 +242,7 @@ class FrameEncoder:
         *,
         dtype: torch.dtype | None = None,
         envelope: Envelope | None = None,
+        base: BaseItem | None = None,
     ) -> None:
         """Write (or queue for encoding) one item's raw bytes.
 
@@ -229,18 +254,32 @@ class FrameEncoder:
                 codec's transforms.
             envelope: Without a codec, the ``torch.save`` envelope to write
                 around the bytes.
+            base: With ``hashing``: the item in the base checkpoint; its
+                unchanged frames are referred to, not written.
         """
         codec, pool = self._codec, self._pool
+        transforms = () if codec is None else codec.transforms(dtype)
+        if base is not None and not base.matches(self._frame_size, transforms, raw.nbytes):
+            base = None  # written differently (frame size, codec, shape): nothing lines up
         if codec is None:
-            self._add_raw(raw, envelope)
+            if self._hashing:
+                self._add_hashed(raw, base)
+            else:
+                self._add_raw(raw, envelope)
             return
         if pool is None:
             raise RuntimeError("FrameEncoder.add with a codec needs its with block (it owns the pool)")
-        entry = _OpenItem(owner, raw, codec.transforms(dtype))
+        entry = _OpenItem(owner, raw, transforms, base)
         window = 2 * self._threads
-        for pos in range(0, raw.nbytes, self._frame_size):
+        for k, pos in enumerate(range(0, raw.nbytes, self._frame_size)):
             frame = raw[pos : pos + self._frame_size]
-            self._pending.append((entry, pool.submit(_encode, codec, entry.transforms, frame)))
+            task: Future[Any]
+            if self._hashing:
+                known = base.hash_of(k) if base is not None else None
+                task = pool.submit(_encode_unless_known, codec, entry.transforms, frame, known)
+            else:
+                task = pool.submit(_encode, codec, entry.transforms, frame)
+            self._pending.append((entry, task))
             self._drain(window)
         self._pending.append((entry, None))
 
@@ -274,6 +313,36 @@ class FrameEncoder:
             )
         )
 
+    def _add_hashed(self, raw: memoryview, base: BaseItem | None) -> None:
+        """An uncompressed item of an incremental save: each frame hashed,
+        written unless the base holds the same bytes, and located."""
+        out, frame_size = self._out, self._frame_size
+        start = out.position
+        entry = _OpenItem(None, raw, (), base)
+        for k, pos in enumerate(range(0, raw.nbytes, frame_size)):
+            frame = raw[pos : pos + frame_size]
+            digest = xxhash.xxh3_128_digest(frame)
+            entry.hashes += digest
+            entry.lengths.append(frame.nbytes)
+            if base is not None and base.hash_of(k) == digest:
+                self._refer(entry, k)
+                continue
+            entry.sums.append(checksum(frame))
+            entry.offsets.append(out.position)
+            entry.sources.append("")
+            out.write(frame)
+        entry.start = start
+        self._close(entry)
+
+    def _refer(self, entry: _OpenItem, k: int) -> None:
+        """Record frame ``k`` of ``entry`` as stored where its base stores it."""
+        base = entry.base
+        assert base is not None
+        entry.sums.append(base.checksums[k])
+        entry.offsets.append(base.offsets[k])
+        entry.sources.append(base.sources[k])
+        self.referenced[base.sources[k]] = self.referenced.get(base.sources[k], 0) + base.lengths[k]
+
     def _drain(self, keep_at_most: int) -> None:
         out, pending = self._out, self._pending
         while len(pending) > keep_at_most:
@@ -283,25 +352,48 @@ class FrameEncoder:
             if task is None:  # end of an item
                 self._close(entry)
                 continue
-            data, digest = task.result()
-            out.write(data)
-            entry.lengths.append(len(data))
+            if not self._hashing:
+                data, digest = task.result()
+                out.write(data)
+                entry.lengths.append(len(data))
+                entry.sums.append(digest)
+                continue
+            found, digest, raw_hash = task.result()
+            entry.hashes += raw_hash
+            if found is None:  # the base's frame: same raw bytes, same codec
+                k = len(entry.offsets)
+                entry.lengths.append(entry.base.lengths[k])  # type: ignore[union-attr]
+                self._refer(entry, k)
+                continue
+            entry.offsets.append(out.position)
+            entry.sources.append("")
+            out.write(found)
+            entry.lengths.append(len(found))
             entry.sums.append(digest)
 
     def _close(self, entry: _OpenItem) -> None:
         length = self._out.position - entry.start
+        located: dict[str, Any] = {}
+        if self._hashing:
+            located = {
+                "frame_hashes": bytes(entry.hashes),
+                "frame_offsets": tuple(entry.offsets),
+                "frame_sources": tuple(entry.sources),
+            }
+        compressed = bool(entry.transforms)
         self._done(
             StoredItem(
                 self._name,
                 entry.start,
                 length,
                 0,
-                length,
-                raw_length=entry.raw.nbytes,
+                sum(entry.lengths) if self._hashing else length,
+                raw_length=entry.raw.nbytes if compressed else -1,
                 transforms=entry.transforms,
                 frame_size=self._frame_size,
-                frame_lengths=tuple(entry.lengths),
+                frame_lengths=tuple(entry.lengths) if compressed else (),
                 checksums=tuple(entry.sums),
+                **located,
             )
         )
 
@@ -315,6 +407,19 @@ def _encode(codec: Codec, transforms: tuple[str, ...], frame: memoryview) -> tup
     """One frame's stored bytes and their checksum (runs on the encoder's pool)."""
     data = codec.encode(transforms, frame)
     return data, checksum(data)
+
+
+def _encode_unless_known(
+    codec: Codec, transforms: tuple[str, ...], frame: memoryview, known: bytes | None
+) -> tuple[bytes | None, int, bytes]:
+    """An incremental save's frame (on the encoder's pool): its raw hash, and
+    its stored bytes and their checksum unless the hash is ``known`` (the
+    base's frame holds these raw bytes, so it is not encoded at all)."""
+    raw_hash = xxhash.xxh3_128_digest(frame)
+    if raw_hash == known:
+        return None, 0, raw_hash
+    data = codec.encode(transforms, frame)
+    return data, checksum(data), raw_hash
 
 
 # -- damaged frames -------------------------------------------------------------------
@@ -479,6 +584,15 @@ class _ItemRead:
     index: MetadataIndex
     transforms: tuple[str, ...]
     verify: bool
+    own: str = ""
+    describe: Callable[[str], str] | None = None
+
+    def location(self, frame: FrameSpan) -> str:
+        """Where a frame's bytes are, for messages: the item's file, or the
+        earlier checkpoint's file an incremental save refers to."""
+        if frame.file == self.own or not frame.file or self.describe is None:
+            return self.where
+        return f"{self.describe(frame.file)} (referenced by {self.where})"
 
 
 class FrameReader:
@@ -503,6 +617,7 @@ class FrameReader:
         where: str,
         index: MetadataIndex,
         verify: bool,
+        describe: Callable[[str], str] | None = None,
     ) -> tuple[list[Piece], int]:
         """The reads that put raw bytes ``[start, start + len(dest))`` of the
         item into each ``(start, dest)`` of ``runs``, and the scratch bytes
@@ -519,10 +634,12 @@ class FrameReader:
             where: The item's file, for messages.
             index: The item's key, for messages.
             verify: Check each frame's checksum.
+            describe: Where a file is, for messages about frames an
+                incremental save stored in an earlier checkpoint's file.
         """
         item = table.item
-        name, transforms = item.relative_path, item.transforms
-        context = _ItemRead(where, index, transforms, verify)
+        transforms = item.transforms
+        context = _ItemRead(where, index, transforms, verify, item.relative_path, describe)
         parts: dict[int, list[tuple[int, memoryview]]] = {}
         size = table.frame_size
         for start, dest in runs:
@@ -543,7 +660,7 @@ class FrameReader:
             whole = len(frame_parts) == 1 and frame_parts[0][1].nbytes == frame.raw_length
             if whole and not transforms:  # straight into the destination
                 dest = frame_parts[0][1]
-                pieces.append(Piece(name, frame.stored_offset, dest, _bind(self.check, context, frame, dest)))
+                pieces.append(Piece(frame.file, frame.stored_offset, dest, _bind(self.check, context, frame, dest)))
                 continue
             stored = memoryview(bytearray(frame.stored_length))
             # Stored bytes wait in scratch; a compressed frame needs a raw
@@ -551,7 +668,7 @@ class FrameReader:
             scratch_bytes += frame.stored_length + (frame.raw_length if transforms and not whole else 0)
             decode = _bind(self.decode, context, frame, stored, frame_parts)
             done = _bind(submit, decode) if transforms else decode
-            pieces.append(Piece(name, frame.stored_offset, stored, done))
+            pieces.append(Piece(frame.file, frame.stored_offset, stored, done))
         return pieces, scratch_bytes
 
     def check(self, context: _ItemRead, frame: FrameSpan, stored: memoryview) -> None:
@@ -566,7 +683,7 @@ class FrameReader:
         with self._stats_lock:
             self.stats.verified += 1
         if fault is not None:
-            raise fault.error(context.where, context.index, frame)
+            raise fault.error(context.location(frame), context.index, frame)
 
     def decode(
         self,
@@ -592,7 +709,7 @@ class FrameReader:
         raw = parts[0][1] if whole else memoryview(bytearray(frame.raw_length))
         fault = decode_fault(transforms, stored, raw)
         if fault is not None:
-            raise fault.error(context.where, context.index, frame) from fault.cause
+            raise fault.error(context.location(frame), context.index, frame) from fault.cause
         with self._stats_lock:
             self.stats.decoded += 1
             self.stats.decoded_bytes += frame.raw_length

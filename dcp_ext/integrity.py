@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from .metadata.chunk_table import ChunkLocations
 from .metadata.frame_index import attach_frame_indexes
 from .metadata import METADATA_FILE, DecodedMetadata, StoredItem, decode_metadata
+from .metadata.document import split_reference
 from ._ranges import Piece, plan_requests
 from ._torch_format import torch_save_envelope
 from .config import IOConfig
@@ -73,6 +74,8 @@ class VerifyReport:
         problems: Every damaged range found; empty when the checkpoint is intact.
         absent_files: With ``present_only``: data files not in this copy
             (another node's files in a node's local tier); not problems.
+        referenced_files: Incremental checkpoints: earlier checkpoints' data
+            files whose frames this one refers to (and were checked too).
     """
 
     path: str
@@ -82,6 +85,7 @@ class VerifyReport:
     unchecked_items: int
     problems: tuple[Problem, ...]
     absent_files: tuple[str, ...] = ()
+    referenced_files: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -96,6 +100,8 @@ class VerifyReport:
             head += f", {self.unchecked_items} items without checksums"
         if self.absent_files:
             head += f", {len(self.absent_files)} files not in this copy"
+        if self.referenced_files:
+            head += f" (with {len(self.referenced_files)} files of earlier checkpoints it refers to)"
         if self.ok:
             return head + ": OK"
         return head + f": {len(self.problems)} problem(s)\n" + "\n".join(f"  {p}" for p in self.problems)
@@ -233,7 +239,10 @@ def verify(
         readable[name] = entries
 
     _attach_indexes(store, decoded, readable, truncated, problems)
-    total = sum(it.length for entries in readable.values() for _, it in entries)
+    reader = CheckpointReader(url, storage_options=storage_options, config=config, store=store)
+    references = sorted(decoded.incremental.references) if decoded.incremental is not None else []
+    missing_references = _missing_references(reader, references)
+    total = sum(max(it.length, it.data_length) for entries in readable.values() for _, it in entries)
     done = frames = unchecked = 0
     # (key, item, region, buffer, check): a region is a frame, or the
     # torch.save envelope around an uncompressed tensor (index -1).
@@ -245,9 +254,9 @@ def verify(
         nonlocal done, frames, batch_bytes
         if not batch:
             return
-        pieces = [Piece(item.relative_path, region.stored_offset, buf) for _, item, region, buf, _ in batch]
+        pieces = [Piece(region.file or item.relative_path, region.stored_offset, buf) for _, item, region, buf, _ in batch]
         try:
-            store.read(plan_requests(pieces, gap=store.coalesce_gap, max_request=config.read_request_size))
+            reader.read_requests(plan_requests(pieces, gap=store.coalesce_gap, max_request=config.read_request_size))
         except DcpExtError as err:
             # A read failing as a whole (e.g. the file changed meanwhile): report
             # every region of the batch rather than stopping.
@@ -285,14 +294,31 @@ def verify(
                 continue
             for k in range(len(table)):
                 frame = table.frame(k)
+                if frame.file in missing_references:
+                    missing_references[frame.file].append(f"{_key(index)} frame {k + 1}/{len(table)}")
+                    continue
                 add(index, item, frame, functools.partial(_check, item, frame))
             for region, expected in _envelope_regions(index, item, chunks):
                 add(index, item, region, functools.partial(_check_envelope, expected))
     run_batch()
+    for name, keys in missing_references.items():
+        problems.append(Problem(name, 0, 0, tuple(keys), f"{reader.describe(name)} is missing: this incremental "
+                                "checkpoint refers to its frames (it was deleted by hand, or copied without it)"))
     return VerifyReport(
         store.url, len(decoded.files) - len(absent), frames, done, unchecked,
-        tuple(sorted(problems, key=lambda p: (p.file, p.start))), tuple(absent),
+        tuple(sorted(problems, key=lambda p: (p.file, p.start))), tuple(absent), tuple(references),
     )
+
+
+def _missing_references(reader: CheckpointReader, references: list[str]) -> dict[str, list[str]]:
+    """The referenced files (of earlier checkpoints) that are not there, each
+    with an empty list for the frames that need it."""
+    missing: dict[str, list[str]] = {}
+    for name in references:
+        directory, file = split_reference(name, reader.path)
+        if not reader.sibling_store(directory).exists(file):
+            missing[name] = []
+    return missing
 
 
 def _envelope_regions(
@@ -304,8 +330,8 @@ def _envelope_regions(
     what they must be (the envelope is a pure function of dtype and shape)."""
     prefix_len = item.data_offset
     suffix_len = item.length - item.data_offset - item.data_length
-    if item.transforms or (prefix_len == 0 and suffix_len == 0):
-        return []
+    if item.transforms or item.frame_offsets or (prefix_len == 0 and suffix_len == 0):
+        return []  # compressed, or an incremental save's (no envelopes), or none
     shape = chunks.of(index)
     if shape is None:
         return []
@@ -333,7 +359,7 @@ def _check(item: StoredItem, frame: FrameSpan, stored: memoryview) -> str:
 def _problem(item: StoredItem, frame: FrameSpan, index: MetadataIndex, reason: str) -> Problem:
     where = "envelope" if frame.index < 0 else f"frame {frame.index + 1}/{frame.count}"
     return Problem(
-        item.relative_path,
+        frame.file or item.relative_path,
         frame.stored_offset,
         frame.stored_offset + frame.stored_length,
         (f"{_key(index)} {where}",),

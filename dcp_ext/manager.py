@@ -60,7 +60,17 @@ from .errors import (
     StorageFullError,
 )
 from .full import save_full
-from .layout import PARTITION_FILE, USER_CONTENT_FILE, MeshInfo, Partition, TagInfo, user_content_name, validate_tag
+from .incremental import IncrementalSave
+from .layout import (
+    PARTITION_FILE,
+    USER_CONTENT_FILE,
+    MeshInfo,
+    Partition,
+    TagInfo,
+    partial_dir,
+    user_content_name,
+    validate_tag,
+)
 from .metadata import METADATA_FILE
 from .nodes import NodeMap
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
@@ -150,6 +160,15 @@ class CheckpointManager:
             some node's tier goes straight to ``root`` instead, and its
             handle (or a synchronous ``save``) raises
             :class:`~dcp_ext.errors.StorageFullError` naming the node.
+        incremental: Partial saves write only the frames that changed since
+            the newest checkpoint (:mod:`dcp_ext.incremental`): unchanged
+            frames (frozen weights, untouched embedding rows) are referred
+            to in the earlier checkpoint's files. Off by default. Retention
+            and deletion keep every file a kept checkpoint refers to. Not
+            with ``local_tier``.
+        max_chain: With ``incremental``: after this many incremental saves
+            in a row, a save writes every frame again (so a checkpoint
+            needs the files of at most ``max_chain + 1`` saves).
 
     Attributes:
         checkpoints: The :class:`~dcp_ext.root.CheckpointRoot` (tags, ``newest``, deletion).
@@ -174,6 +193,8 @@ class CheckpointManager:
         keep_local: int | None = 2,
         replicas: int = 0,
         local_tier_bytes: int | None = None,
+        incremental: bool = False,
+        max_chain: int = 8,
     ) -> None:
         if async_uploads not in ("thread", "process"):
             raise ValueError(f"async_uploads must be 'thread' or 'process', got {async_uploads!r}")
@@ -187,6 +208,15 @@ class CheckpointManager:
             raise ValueError(f"local_tier_bytes must be >= 0 or None, got {local_tier_bytes}")
         if local_tier is not None and "://" in normalize_path(local_tier):
             raise ValueError(f"local_tier must be a directory on this node, got the URL {os.fspath(local_tier)!r}")
+        if max_chain < 0:
+            raise ValueError(f"max_chain must be >= 0, got {max_chain}")
+        if incremental and local_tier is not None:
+            raise ValueError(
+                "incremental=True is not supported together with local_tier yet: tiered saves write every "
+                "frame; use one or the other"
+            )
+        self.incremental = incremental
+        self.max_chain = max_chain
         self.root = normalize_path(root)
         self.compression = resolve_codec(compression)
         self.storage_options = dict(storage_options or {})
@@ -392,6 +422,7 @@ class CheckpointManager:
             self.checkpoints.partial_url(tag), storage_options=self.storage_options,
             overwrite=overwrite, config=self.config, before_commit=_CommitFiles(user_content, planner),
             after_commit=_PostCommit(self.checkpoints, tag, policy), compression=self.compression,
+            incremental=self._incremental_save(tag) if self.incremental else None,
         )
         if not async_save:
             run_save(state, writer, planner, self.process_group)
@@ -403,6 +434,15 @@ class CheckpointManager:
         with self._lock:
             self._pending = handle
         return handle
+
+    def _incremental_save(self, tag: str) -> IncrementalSave:
+        """(all ranks) The base of an incremental save of ``tag``: the tag
+        ``newest`` names, read by the coordinator and broadcast (every rank
+        must compare with the same checkpoint)."""
+        base = self.group.run_on_coordinator(self.checkpoints.newest_record)
+        if base is None or base == tag:  # never build on the checkpoint being replaced
+            return IncrementalSave(max_chain=self.max_chain)
+        return IncrementalSave(self.checkpoints.partial_url(base), partial_dir(base), base, self.max_chain)
 
     def _background_group(self) -> Any:
         """(all ranks; collective the first time) The group for collectives
@@ -930,7 +970,8 @@ def save_checkpoint(
 
     Extra keyword arguments: ``process_group``, ``mesh``, ``config``,
     ``compression``, ``async_uploads``, ``local_tier``, ``persist_every``,
-    ``keep_local``, ``replicas``, ``local_tier_bytes`` (for the manager) and ``overwrite``,
+    ``keep_local``, ``replicas``, ``local_tier_bytes``, ``incremental``, ``max_chain``
+    (for the manager) and ``overwrite``,
     ``full_format``, ``include_optimizer``, ``retention``, ``persist``.
 
     Calls with the same root and manager arguments share one manager for the
@@ -950,7 +991,7 @@ def save_checkpoint(
 
 
 _MANAGER_ARGS = ("process_group", "mesh", "config", "compression", "async_uploads", "local_tier", "persist_every",
-                 "keep_local", "replicas", "local_tier_bytes")
+                 "keep_local", "replicas", "local_tier_bytes", "incremental", "max_chain")
 
 # Managers of save_checkpoint(), by root and manager arguments (see there).
 _SHARED_MANAGERS: dict[tuple[Any, ...], CheckpointManager] = {}

@@ -39,19 +39,20 @@ from torch.futures import Future
 from .metadata import (
     METADATA_FILE,
     TORCH_METADATA_FILE,
+    IncrementalSection,
     StoredItem,
     decode_metadata,
     load_torch_metadata,
     validate_file_name,
 )
 from .metadata.chunk_table import ChunkLocations
-from .metadata.document import FrameIndexRef
+from .metadata.document import REFERENCE_PREFIX, FrameIndexRef, split_reference
 from .metadata.frame_index import attach_frame_indexes
 from ._compat import _StorageInfo, narrow_tensor_by_index
 from ._exchange import Exchange, Incoming, as_bytes, bytes_incoming, host_identity, shared_memory_usable
 from ._gc import gc_paused
 from ._memory import release_free_memory
-from ._ranges import Piece, box_runs, plan_requests, run_starts
+from ._ranges import Piece, ReadRequest, box_runs, plan_requests, run_starts
 from ._torch_format import tensor_bytes
 from .config import IOConfig, usable_cores
 from .frames import FrameReader, FrameStats, FrameTable, FrameWork, frame_table
@@ -65,7 +66,7 @@ from .errors import (
     DcpExtError,
     NotACheckpointError,
 )
-from .storage import TMP_MARK, Store, normalize_path, open_store
+from .storage import TMP_MARK, Store, join_path, normalize_path, open_store
 
 __all__ = ["CheckpointReader"]
 
@@ -188,6 +189,9 @@ class CheckpointReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks = ChunkShapes({})
         self._frame_indexes: dict[str, FrameIndexRef] = {}
+        #: An incremental save's section of the metadata (version 4), else ``None``.
+        self.incremental: IncrementalSection | None = None
+        self._siblings: dict[str, Store] = {}
         #: Set by dcp_ext's loads, which call ``read_metadata`` on every rank of
         #: this group (a 1-tuple; ``(None,)`` is the default group): the
         #: coordinator then reads the document once for all.
@@ -215,6 +219,29 @@ class CheckpointReader(StorageReader):
         return self.path
 
     @property
+    def frame_indexes(self) -> dict[str, FrameIndexRef]:
+        """Version 3 and later: where each data file's frame index lies (after ``read_metadata``)."""
+        return self._frame_indexes
+
+    def sibling_store(self, directory: str) -> Store:
+        """The store of another checkpoint directory under the same root (the
+        files an incremental checkpoint's frames refer to), opened once."""
+        store = self._siblings.get(directory)
+        if store is None:
+            parent = self.path.rstrip("/").rpartition("/")[0]
+            store = self._siblings[directory] = open_store(
+                join_path(parent or ".", directory), self.config, self.storage_options, self._filesystem
+            )
+        return store
+
+    def describe(self, name: str) -> str:
+        """Where a data file (or a file an incremental checkpoint refers to) is."""
+        if name.startswith(REFERENCE_PREFIX):
+            directory, file = split_reference(name, self.path)
+            return self.sibling_store(directory).describe(file)
+        return self.store.describe(name)
+
+    @property
     def frame_stats(self) -> FrameStats:
         """Frames verified and decoded since the last ``reset``."""
         return self._frames.stats
@@ -230,6 +257,7 @@ class CheckpointReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
         self._frame_indexes = {}
+        self.incremental = None
         self._chunks = ChunkShapes({})
         self._tables = {}
         self._frames = FrameReader()
@@ -268,6 +296,7 @@ class CheckpointReader(StorageReader):
         if raw is not None:
             decoded = decode_metadata(raw, store.describe(METADATA_FILE))
             self._frame_indexes = decoded.frame_indexes
+            self.incremental = decoded.incremental
             return decoded.metadata
         try:
             raw = store.read_file(TORCH_METADATA_FILE)
@@ -546,7 +575,7 @@ class CheckpointReader(StorageReader):
         )
         while True:
             try:
-                store.read(requests)
+                self.read_requests(requests)
                 self._frames.work.wait()
                 break
             except CheckpointCorruptError as err:
@@ -559,6 +588,36 @@ class CheckpointReader(StorageReader):
                     self._frames.work.wait()  # let the failed round's frame work finish
         for pending in batch:
             pending.finish()
+
+    def read_requests(self, requests: list[ReadRequest]) -> None:
+        """Run read requests: those of this checkpoint's files on its store,
+        those of files an incremental checkpoint refers to on theirs."""
+        store = self.store
+        if not any(r.name.startswith(REFERENCE_PREFIX) for r in requests):
+            store.read(requests)
+            return
+        groups: dict[str, list[ReadRequest]] = {}
+        for request in requests:
+            if request.name.startswith(REFERENCE_PREFIX):
+                directory, file = split_reference(request.name, self.path)
+                groups.setdefault(directory, []).append(dataclasses.replace(request, name=file))
+            else:
+                groups.setdefault("", []).append(request)
+        for directory, group in groups.items():
+            if not directory:
+                store.read(group)
+                continue
+            sibling = self.sibling_store(directory)
+            try:
+                sibling.read(group)
+            except CheckpointNotFoundError as err:
+                where = err.path or sibling.url
+                raise CheckpointCorruptError(
+                    f"{where} is missing, and checkpoint {self.path} needs it: it was saved incrementally and "
+                    f"refers to frames stored in that file of the earlier checkpoint {directory!r}. "
+                    f"Restore the file, or load a checkpoint that does not refer to it",
+                    where,
+                ) from err
 
     def _attach_frame_indexes(self, read_items: Sequence[ReadItem]) -> None:
         """Read the frame indexes of the files these items are in (version-3
@@ -716,7 +775,7 @@ class CheckpointReader(StorageReader):
         """
         name = info.relative_path
         verify = self.config.verify_checksums and (bool(info.checksums) or info.indexed)
-        if not info.transforms and (not verify or not info.frame_size):
+        if not info.transforms and not info.frame_offsets and (not verify or not info.frame_size):
             base = info.offset + info.data_offset
             return _Pending([Piece(name, base + start, dest) for start, dest in runs], scratch_bytes, finish)
         index = read_item.storage_index
@@ -724,7 +783,7 @@ class CheckpointReader(StorageReader):
         table = self._tables.get(index)
         if table is None:
             table = self._tables[index] = frame_table(info, where)
-        pieces, frame_scratch = self._frames.pieces(table, runs, where, index, verify)
+        pieces, frame_scratch = self._frames.pieces(table, runs, where, index, verify, self.describe)
         return _Pending(pieces, scratch_bytes + frame_scratch, finish)
 
     def _prepare_torch_item(self, read_item: ReadItem, info: _StorageInfo, planner: LoadPlanner) -> _Pending:

@@ -7,6 +7,7 @@ collectives. The layout it reads and writes is described in :mod:`dcp_ext.layout
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import warnings
@@ -29,11 +30,12 @@ from .layout import (
     user_content_name,
     validate_tag,
 )
-from .metadata import METADATA_FILE, TORCH_METADATA_FILE, read_created
+from .metadata import METADATA_FILE, TORCH_METADATA_FILE, read_created, read_incremental_section
+from .metadata.document import split_reference
 from .retention import RetentionPolicy, select_for_deletion
 from .storage import TMP_MARK, Store, join_path, normalize_path, open_store
 
-__all__ = ["CheckpointRoot", "LeftoverReport"]
+__all__ = ["CheckpointRoot", "LeftoverReport", "RETIRED_FILE"]
 
 log = logging.getLogger("dcp_ext.root")
 
@@ -41,6 +43,10 @@ log = logging.getLogger("dcp_ext.root")
 _OWN_FILES = (METADATA_FILE, TORCH_METADATA_FILE, PARTITION_FILE, USER_CONTENT_FILE)
 # Enough of the metadata document to hold its "created" field (written near its start).
 _HEAD_BYTES = 512
+#: Written in a partial directory whose checkpoint was deleted while later
+#: (incremental) checkpoints still refer to some of its data files: the
+#: directory keeps only those, and is removed once nothing refers to them.
+RETIRED_FILE = "dcp_ext.retired.json"
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,14 @@ class LeftoverReport:
         temp_files: Temporary files in the root (crashed full saves, ``newest`` writes).
         uncommitted: Tags whose partial directory never committed and whose lock is not live.
         uploads: Incomplete multipart uploads aborted (object stores), by object name.
+        retired: Retired directories removed because no committed checkpoint
+            refers to their files any more (incremental saves).
     """
 
     temp_files: tuple[str, ...] = ()
     uncommitted: tuple[str, ...] = ()
     uploads: tuple[str, ...] = ()
+    retired: tuple[str, ...] = ()
 
 
 class CheckpointRoot:
@@ -170,26 +179,98 @@ class CheckpointRoot:
         if partial:
             if self.newest_record() == tag:
                 raise ValueError(f"{tag!r} is the newest checkpoint; save a newer one before deleting it")
-            self.delete_partial(tag)
+            referenced = self.referenced_files(exclude={tag})
+            self.delete_partial(tag, referenced)
+            self.sweep_retired(referenced)
         if full:
             self.store.delete(tag)
             self.store.delete(user_content_name(tag))
 
-    def delete_partial(self, tag: str) -> None:
+    def delete_partial(self, tag: str, referenced: Collection[tuple[str, str]] | None = None) -> None:
         """Delete ``{tag}_partial``: the commit marker first, so a half-deleted
-        checkpoint is never mistaken for a committed one."""
+        checkpoint is never mistaken for a committed one.
+
+        Data files that another committed checkpoint refers to (incremental
+        saves) stay: the directory then keeps only them, marked retired
+        (:data:`RETIRED_FILE`, written before anything is deleted), until
+        nothing refers to them.
+
+        Args:
+            tag: The checkpoint to delete.
+            referenced: ``(directory, file)`` of every data file the
+                checkpoints that stay refer to (default: read from every
+                other committed checkpoint's metadata).
+        """
+        if referenced is None:
+            referenced = self.referenced_files(exclude={tag})
         store = self.partial_store(tag)
+        directory = partial_dir(tag)
+        keep = {file for d, file in referenced if d == directory}
+        if keep:
+            store.write_file(RETIRED_FILE, json.dumps({"tag": tag, "kept": sorted(keep)}).encode())
         for name in _OWN_FILES:
             store.delete(name)
         crash_point("mid_retention")
         for name in store.list_tree():  # data files under key prefixes too
+            if name in keep:
+                continue
             if name.endswith(DATA_SUFFIX) or TMP_MARK in name or name == save_lock.LOCK_FILE:
                 store.delete(name)
-        store.remove_root_if_empty()
+        if not keep:
+            store.delete(RETIRED_FILE)
+            store.remove_root_if_empty()
+
+    def referenced_files(self, exclude: Collection[str] = ()) -> set[tuple[str, str]]:
+        """``(directory, file)`` of every data file that a committed checkpoint
+        (other than those in ``exclude``) refers to (incremental saves).
+
+        Raises:
+            CheckpointCorruptError: A committed checkpoint's metadata cannot
+                be read: what it refers to is unknown, so nothing may be deleted.
+        """
+        found: set[tuple[str, str]] = set()
+        for info in self.committed():
+            if info.tag in exclude:
+                continue
+            store = self.partial_store(info.tag)
+            try:
+                data = store.read_file(METADATA_FILE)
+            except CheckpointNotFoundError:
+                continue  # deleted meanwhile
+            section = read_incremental_section(data, store.describe(METADATA_FILE))
+            if section is not None:
+                found.update(split_reference(name, store.describe(METADATA_FILE)) for name in section.references)
+        return found
+
+    def retired_tags(self) -> list[str]:
+        """Tags whose directory is retired: deleted, but holding data files a
+        committed incremental checkpoint refers to."""
+        return [t for t in self.partial_tags()
+                if self.partial_store(t).exists(RETIRED_FILE) and not self.partial_store(t).exists(METADATA_FILE)]
+
+    def sweep_retired(self, referenced: Collection[tuple[str, str]] | None = None) -> list[str]:
+        """Delete what no committed checkpoint refers to any more in retired
+        directories (and the directories left empty).
+
+        Returns:
+            The tags whose retired directory was removed entirely.
+        """
+        retired = self.retired_tags()
+        if not retired:
+            return []
+        if referenced is None:
+            referenced = self.referenced_files()
+        removed = []
+        for tag in retired:
+            self.delete_partial(tag, referenced)
+            if not self.partial_store(tag).exists(RETIRED_FILE):
+                removed.append(tag)
+        return removed
 
     def apply_retention(self, policy: RetentionPolicy, protect: Collection[str] = (), *, dry_run: bool = False) -> list[str]:
         """Delete the committed checkpoints ``policy`` does not keep; never the
-        ``newest`` target or a tag in ``protect``.
+        ``newest`` target or a tag in ``protect``. Data files that a kept
+        (incremental) checkpoint refers to stay (see :meth:`delete_partial`).
 
         Returns:
             The tags deleted (or that would be, with ``dry_run``), oldest first.
@@ -198,14 +279,17 @@ class CheckpointRoot:
         keep = set(protect) | ({newest} if newest else set())
         doomed = select_for_deletion(self.committed(), policy, protect=keep)
         if not dry_run:
+            referenced = self.referenced_files(exclude=set(doomed))
             for tag in doomed:
-                self.delete_partial(tag)
+                self.delete_partial(tag, referenced)
+            self.sweep_retired(referenced)
         return doomed
 
     def remove_leftovers(self, current: str | None = None) -> LeftoverReport:
         """Delete what crashed saves left: temporary files in the root, partial
         directories that never committed, and incomplete multipart uploads
-        older than the stale-lock limit. A directory whose save lock is live
+        older than the stale-lock limit; and the files of retired directories
+        that no committed checkpoint refers to any more. A directory whose save lock is live
         (:mod:`dcp_ext.save_lock`), and the tag ``current`` being saved, are
         never touched."""
         temp_files = [n for n in self.store.list_names() if TMP_MARK in n]
@@ -223,6 +307,8 @@ class CheckpointRoot:
         for tag in self.partial_tags():
             if tag == current or self.partial_store(tag).exists(METADATA_FILE) or lock_live(tag):
                 continue  # being saved now, committed, or another job's save in flight
+            if self.partial_store(tag).exists(RETIRED_FILE):
+                continue  # deleted, keeping files a committed checkpoint refers to (sweep_retired)
             log.info("removing %s: a save that never committed", partial_dir(tag))
             self.delete_partial(tag)
             uncommitted.append(tag)
@@ -238,7 +324,8 @@ class CheckpointRoot:
             log.info("aborting incomplete upload of %s started %.0f s ago", upload.name, now - upload.initiated)
             self.store.abort_upload(upload)
             uploads.append(upload.name)
-        return LeftoverReport(tuple(temp_files), tuple(uncommitted), tuple(uploads))
+        retired = self.sweep_retired()
+        return LeftoverReport(tuple(temp_files), tuple(uncommitted), tuple(uploads), tuple(retired))
 
 
 def _valid(tag: str) -> bool:

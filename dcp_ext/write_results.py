@@ -60,12 +60,15 @@ class RankWriteResults:
         rows: zlib-compressed int64 rows: the item's position in the rank's
             final plan, then :data:`ITEM_COLUMNS` (``file`` indexes ``files``).
         count: Rows.
+        references: Incremental saves: each earlier checkpoint's file its
+            frames refer to, with the stored bytes referred to.
     """
 
     files: tuple[tuple[str, FrameIndexRef], ...]
     codecs: tuple[tuple[str, ...], ...]
     rows: bytes
     count: int
+    references: tuple[tuple[str, int], ...] = ()
 
     def row_array(self) -> np.ndarray:
         """The rows as an ``(count, 9)`` int64 array.
@@ -83,12 +86,15 @@ class RankWriteResults:
         return rows.reshape(self.count, _ROW)
 
 
-def pack_results(positions: Sequence[int], stored: Sequence[StoredItem]) -> list[WriteResult]:
+def pack_results(
+    positions: Sequence[int], stored: Sequence[StoredItem], references: Mapping[str, int] | None = None
+) -> list[WriteResult]:
     """(each rank) Its write results as the one ``WriteResult`` the coordinator expects.
 
     Args:
         positions: Each stored item's position in the rank's final plan.
         stored: Where each went (version 3: frame tables in the files' indexes).
+        references: Incremental saves: bytes referred to per earlier checkpoint's file.
 
     Raises:
         ValueError: An item has no frame index (it was not written for version 3).
@@ -114,6 +120,7 @@ def pack_results(positions: Sequence[int], stored: Sequence[StoredItem]) -> list
         codecs=tuple(c for c, _ in sorted(codecs.items(), key=lambda kv: kv[1])),
         rows=zlib.compress(rows.tobytes(), 1),
         count=len(stored),
+        references=tuple(sorted((references or {}).items())),
     )
     return [WriteResult(index=RESULTS_INDEX, size_in_bytes=sum(s.length for s in stored), storage_data=results)]
 
@@ -150,6 +157,8 @@ class StoredColumns(Mapping[MetadataIndex, StoredItem]):
         self._count = len(rows)
         self.files, self.codecs = list(files), list(codecs)
         self._row_of: dict[str, dict[tuple[int, ...], int]] = {}
+        #: Incremental saves: stored bytes referred to per earlier checkpoint's file, over all ranks.
+        self.references: dict[str, int] = {}
 
     @property
     def rows(self) -> np.ndarray:
@@ -274,9 +283,13 @@ def gather_stored(
         raise ValueError(f"rank {int(ranks[bad])} reported no write result for its item #{int(positions[bad])}")
     rows = every[base[ranks] + positions, 1:]
     del every
-    return StoredColumns(
+    stored = StoredColumns(
         writers.spans, chunks, rows, files, [c for c, _ in sorted(codecs.items(), key=lambda kv: kv[1])]
     )
+    for part in packed:
+        for name, nbytes in part.references:
+            stored.references[name] = stored.references.get(name, 0) + nbytes
+    return stored
 
 
 def collect_stored(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
@@ -59,6 +60,7 @@ from .config import IOConfig
 from .frames import FrameEncoder
 from .errors import CheckpointExistsError, DcpExtError, PostCommitError
 from .layout import DATA_SUFFIX, FileAssignment, item_nbytes, spread_name
+from .incremental import BaseFrames, IncrementalSave, read_base
 from .save_lock import SaveLock
 from .save_planner import LayoutSavePlanner
 from .staging import copy_state
@@ -68,6 +70,8 @@ from .write_results import StoredColumns, collect_stored, pack_results
 __all__ = ["CheckpointWriter"]
 
 log = logging.getLogger("dcp_ext.writer")
+
+_REFERENCED_LOCK = threading.Lock()
 
 # Rough upper bound of a torch.save envelope, used only for S3 part sizing.
 _ENVELOPE_ESTIMATE = 2048
@@ -115,6 +119,12 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             ``dcp_ext.ZstdCodec(level=3)``. Recorded per item in the metadata;
             readers need no setting.
         frame_size: Raw bytes per compressed/checksummed frame (default 1 MiB).
+        incremental: Write only the frames that changed since a base
+            checkpoint (:mod:`dcp_ext.incremental`; the manager passes it
+            with ``CheckpointManager(incremental=True)``). Needs dcp_ext's
+            ``LayoutSavePlanner`` and metadata version 3. Such checkpoints
+            are read by dcp_ext only: no ``torch.save`` envelopes, no
+            torch ``.metadata``.
 
     Every frame of stored data gets an xxh3-64 checksum, computed as it is
     written and verified by :class:`CheckpointReader` on every read.
@@ -146,6 +156,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         after_commit: Callable[[], None] | None = None,
         compression: str | Codec | None = None,
         frame_size: int | str | None = None,
+        incremental: IncrementalSave | None = None,
     ) -> None:
         super().__init__()
         overrides = {
@@ -170,6 +181,11 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.after_commit = after_commit
         self.codec = resolve_codec(compression)
         self._lock: SaveLock | None = None
+        if incremental is not None and config.metadata_version < 3:
+            raise ValueError("incremental saves need metadata_version 3 (frame indexes with hashes)")
+        self.incremental = incremental
+        #: This save's view of its base (incremental saves; set by write_data).
+        self.base_frames: BaseFrames | None = None
 
     # -- helpers ----------------------------------------------------------------
     @property
@@ -215,6 +231,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 self._store = None
         self.save_id = uuid.uuid4().hex
         self._written = []
+        self.base_frames = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """(all ranks) Record this rank's role."""
@@ -280,15 +297,20 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             )
         store = self.store
         files = assignment.files_for(list(plan.items), self.config.files_per_rank)
+        if self.incremental is not None:
+            if not isinstance(planner, LayoutSavePlanner):
+                raise ValueError("incremental saves need dcp_ext's LayoutSavePlanner (CheckpointManager uses it)")
+            self.base_frames = read_base(self.incremental, plan.items, self.config, self.storage_options)
         crash_point("before_data")
 
         written: list[tuple[list[WriteItem], list[StoredItem]]] = []
+        referenced: dict[str, int] = {}
         if len(files) == 1:
-            written = [self._write_file(store, files[0][0], files[0][1], planner)]
+            written = [self._write_file(store, files[0][0], files[0][1], planner, referenced)]
         elif files:
             with ThreadPoolExecutor(len(files), thread_name_prefix="dcp_ext-write") as pool:
                 pending = [
-                    pool.submit(self._write_file, store, name, bucket, planner)
+                    pool.submit(self._write_file, store, name, bucket, planner, referenced)
                     for name, bucket in files
                 ]
                 errors = []
@@ -305,6 +327,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             results = pack_results(
                 [position[id(item)] for items, _ in written for item in items],
                 [where for _, stored in written for where in stored],
+                referenced,
             )
         else:
             results = [
@@ -319,23 +342,32 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         return future
 
     def _write_file(
-        self, store: Store, name: str, items: list[WriteItem], planner: SavePlanner
+        self, store: Store, name: str, items: list[WriteItem], planner: SavePlanner, referenced: dict[str, int]
     ) -> tuple[list[WriteItem], list[StoredItem]]:
-        """Write one data file: each item's frames (:class:`~dcp_ext.frames.FrameEncoder`)."""
+        """Write one data file: each item's frames (:class:`~dcp_ext.frames.FrameEncoder`);
+        add the bytes its frames refer to in earlier checkpoints' files to ``referenced``."""
         size_hint = sum(item_nbytes(i) + _ENVELOPE_ESTIMATE for i in items)
-        raw_tensors = self.codec is None  # stored inside torch.save envelopes
+        base = self.base_frames
+        hashing = self.incremental is not None
+        # Stored inside torch.save envelopes (for torch's readers), except in
+        # incremental saves, whose items may be partly in other files.
+        raw_tensors = self.codec is None and not hashing
         with store.open_writer(name, size_hint=size_hint) as writer:
-            with FrameEncoder(writer, name, self.config.frame_size, self.codec) as frames:
+            with FrameEncoder(writer, name, self.config.frame_size, self.codec, hashing=hashing) as frames:
                 for item in items:
                     data = planner.resolve_data(item)
                     keep, raw = _raw_view(data, item)
+                    known = base.get(item) if base is not None else None
                     if keep is None:
-                        frames.add(raw, data)
+                        frames.add(raw, data, base=known)
                     else:
                         envelope = torch_save_envelope(keep.dtype, tuple(keep.shape)) if raw_tensors else None
-                        frames.add(raw, keep, dtype=keep.dtype, envelope=envelope)
+                        frames.add(raw, keep, dtype=keep.dtype, envelope=envelope, base=known)
                     del data, keep, raw
                 stored = frames.finish()
+            with _REFERENCED_LOCK:  # files are written by parallel threads
+                for source, nbytes in frames.referenced.items():
+                    referenced[source] = referenced.get(source, 0) + nbytes
             if self.config.metadata_version >= 3:
                 stored = _append_frame_index(writer, stored)
             writer.commit()
@@ -359,11 +391,13 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         compressed = bool(items.codecs) if isinstance(items, StoredColumns) else any(
             item.transforms for item in items.values()
         )
-        if len(items) <= self.config.torch_metadata_chunks and not compressed:
+        incremental = self._incremental_section(items)
+        if len(items) <= self.config.torch_metadata_chunks and not compressed and incremental is None:
             store.write_file(TORCH_METADATA_FILE, to_torch_metadata(metadata, items))
         store.write_file(
             METADATA_FILE,
-            encode_metadata(metadata, items, world_size=len(results), version=self.config.metadata_version),
+            encode_metadata(metadata, items, world_size=len(results), version=self.config.metadata_version,
+                            incremental=incremental),
         )
         self._release_lock()
         self._remove_leftovers(
@@ -377,6 +411,22 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 raise
             except Exception as err:
                 raise PostCommitError(f"checkpoint {store.url} committed, but {err}", store.url) from err
+
+    def _incremental_section(self, items: Any) -> dict[str, Any] | None:
+        """(coordinator) The metadata's ``incremental`` section: the base, the
+        chain length, and every earlier checkpoint's file its frames refer to."""
+        if self.incremental is None:
+            return None
+        base = self.base_frames or BaseFrames()
+        references = items.references if isinstance(items, StoredColumns) else {}
+        chain = base.own_chain
+        if references and chain == 0:  # pragma: no cover - a rank referred although the coordinator's base was not referable
+            raise RuntimeError("a rank referred to its base's frames although this save starts a chain")
+        return {
+            "base": self.incremental.base_tag if base.referable else None,
+            "chain": chain,
+            "references": [[name, nbytes] for name, nbytes in sorted(references.items())],
+        }
 
     def _remove_leftovers(self, keep: set[str]) -> None:
         store = self.store

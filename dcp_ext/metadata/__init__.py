@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from .decode import DecodedMetadata, decode_metadata, read_created
+from .decode import DecodedMetadata, IncrementalSection, decode_metadata, read_created, read_incremental_section
 from .document import (
     FORMAT_VERSION,
     MAX_FRAME_SIZE,
@@ -32,6 +32,7 @@ __all__ = [
     "MAX_FRAME_SIZE",
     "StoredItem",
     "DecodedMetadata",
+    "IncrementalSection",
     "encode_metadata",
     "decode_metadata",
     "seal",
@@ -41,4 +42,5 @@ __all__ = [
     "to_torch_metadata",
     "load_torch_metadata",
     "read_created",
+    "read_incremental_section",
 ]

@@ -151,10 +151,19 @@ class ChunkLocations(Mapping[MetadataIndex, StoredItem]):
     set) names a row with those offsets costs one row's comparison; any other
     look-up indexes that key's rows once. Items with frame tables
     (:meth:`attach`) replace the document's frameless ones.
+
+    With ``incremental`` (version-4 documents) an item's ``data_length`` counts
+    the stored bytes of all its frames, some of which may lie in earlier
+    checkpoints' files (the frame index says where); only the item's own
+    ``length`` bytes must lie in its file.
     """
 
-    def __init__(self, files: Sequence[str], codecs: Sequence[tuple[str, ...]], file_sizes: Sequence[int], where: str) -> None:
+    def __init__(
+        self, files: Sequence[str], codecs: Sequence[tuple[str, ...]], file_sizes: Sequence[int], where: str,
+        incremental: bool = False,
+    ) -> None:
         self._files, self._codecs, self._sizes, self._where = files, codecs, file_sizes, where
+        self.incremental = incremental
         # fqn -> (is a tensor, offsets columns (ndim, rows), item columns (8, rows))
         self._keys: dict[str, tuple[bool, np.ndarray, np.ndarray]] = {}
         self._rows: dict[str, dict[tuple[int, ...], int]] = {}
@@ -254,7 +263,8 @@ class ChunkLocations(Mapping[MetadataIndex, StoredItem]):
         file_id, at, length, data_at, data_length, raw_length, codec, frame = row
         if not 0 <= file_id < len(self._files):
             raise CheckpointCorruptError(f"{where}: an item of {fqn!r} names file #{file_id}, which it does not list", where)
-        if min(at, length, data_at, data_length) < 0 or data_at + data_length > length or at + length > self._sizes[file_id]:
+        own_data = data_at if self.incremental else data_at + data_length
+        if min(at, length, data_at, data_length) < 0 or own_data > length or at + length > self._sizes[file_id]:
             raise CheckpointCorruptError(
                 f"{where}: item {fqn!r} lies outside file {self._files[file_id]!r} as recorded", where
             )

@@ -9,7 +9,7 @@ described in :mod:`dcp_ext.metadata.document`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,14 +31,16 @@ from .document import (
     DCP_VERSION,
     FORMAT,
     MAX_FRAME_SIZE,
+    INCREMENTAL_VERSION,
     FrameIndexRef,
     READABLE_VERSIONS,
     StoredItem,
     check_integrity,
+    split_reference,
     validate_file_name,
 )
 
-__all__ = ["DecodedMetadata", "decode_metadata", "read_created"]
+__all__ = ["DecodedMetadata", "IncrementalSection", "decode_metadata", "read_created", "read_incremental_section"]
 
 def _int_list(value: Any, what: str, where: str) -> list[int]:
     if not isinstance(value, list) or not all(
@@ -67,6 +69,9 @@ class DecodedMetadata:
         world_size: Ranks that saved.
         created: Commit time.
         frame_indexes: Version 3: where each file's frame index lies.
+        incremental: Version 4 (incremental saves): the save it built on,
+            how many saves since a self-contained one, and the earlier
+            checkpoints' data files its frames refer to.
     """
 
     metadata: Metadata
@@ -74,6 +79,29 @@ class DecodedMetadata:
     world_size: int
     created: float = 0.0
     frame_indexes: dict[str, FrameIndexRef] = field(default_factory=dict)
+    incremental: IncrementalSection | None = None
+
+
+@dataclass(frozen=True)
+class IncrementalSection:
+    """The ``incremental`` section of a version-4 document.
+
+    Attributes:
+        base: Tag of the checkpoint the save compared its frames with
+            (``None``: the save wrote every frame, recording hashes only).
+        chain: Saves since the last self-contained one (``0``: self-contained).
+        references: Each earlier checkpoint's data file some frames are stored
+            in (a :func:`~dcp_ext.metadata.document.reference_name`), with the
+            stored bytes referred to.
+    """
+
+    base: str | None
+    chain: int
+    references: dict[str, int]
+
+    @property
+    def referenced_bytes(self) -> int:
+        return sum(self.references.values())
 
 
 def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
@@ -110,9 +138,12 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
             f"an earlier checkpoint.",
             where,
         )
-    if version == 3:
+    if version >= 3:
         try:
-            return _decode_v3(doc, where)
+            decoded = _decode_v3(doc, where)
+            if version == INCREMENTAL_VERSION:
+                decoded = replace(decoded, incremental=_incremental_section(doc.get("incremental"), where))
+            return decoded
         except (CheckpointCorruptError, UnsupportedCodecError):
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
@@ -240,7 +271,7 @@ def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
             raise CheckpointCorruptError(f"{where}: invalid codec {codec!r}", where)
         codecs.append(tuple(codec))
     table = decode_table(doc["chunk_table"], doc.get("chunk_table_codec"), doc["chunk_table_bytes"], where)
-    locations = ChunkLocations(names, codecs, sizes, where)
+    locations = ChunkLocations(names, codecs, sizes, where, incremental=doc.get("version") == INCREMENTAL_VERSION)
     state_dict_metadata: dict[str, Any] = {}
     for fqn, entry in doc["state_dict"].items():
         kind = entry["kind"]
@@ -269,6 +300,43 @@ def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
     metadata = _metadata(doc, state_dict_metadata, locations)
     files = dict(zip(names, sizes))
     return DecodedMetadata(metadata, files, int(doc.get("world_size", 0)), float(doc.get("created", 0) or 0), indexes)
+
+
+def read_incremental_section(data: bytes, where: str) -> IncrementalSection | None:
+    """The ``incremental`` section of a metadata document (``None`` for any
+    other version), without decoding the rest: what retention needs to know
+    of every kept checkpoint.
+
+    Raises:
+        CheckpointCorruptError: The document is damaged.
+    """
+    check_integrity(data, where)
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointCorruptError(f"{where} is not valid JSON ({err}); the metadata file is damaged", where) from err
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointCorruptError(f"{where} is not dcp_ext metadata", where)
+    if doc.get("version") != INCREMENTAL_VERSION:
+        return None
+    return _incremental_section(doc.get("incremental"), where)
+
+
+def _incremental_section(section: Any, where: str) -> IncrementalSection:
+    """A version-4 document's ``incremental`` section, checked."""
+    if not isinstance(section, dict):
+        raise CheckpointCorruptError(f"{where}: version 4 metadata without a valid incremental section", where)
+    base = section.get("base")
+    if base is not None and not isinstance(base, str):
+        raise CheckpointCorruptError(f"{where}: incremental base {base!r} is not a tag", where)
+    chain = _nonneg(section.get("chain"), "incremental chain", where)
+    references: dict[str, int] = {}
+    for entry in section.get("references", []):
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise CheckpointCorruptError(f"{where}: malformed incremental reference {entry!r}", where)
+        split_reference(entry[0], where)
+        references[entry[0]] = _nonneg(entry[1], f"bytes referenced in {entry[0]!r}", where)
+    return IncrementalSection(base, chain, references)
 
 
 def _decode_frames(record: dict[str, Any], base: StoredItem, fqn: str, where: str) -> StoredItem:

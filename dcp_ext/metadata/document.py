@@ -79,11 +79,15 @@ __all__ = [
     "TORCH_METADATA_FILE",
     "FORMAT",
     "FORMAT_VERSION",
+    "INCREMENTAL_VERSION",
     "READABLE_VERSIONS",
     "DCP_VERSION",
     "MAX_FRAME_SIZE",
     "StoredItem",
     "validate_file_name",
+    "REFERENCE_PREFIX",
+    "reference_name",
+    "split_reference",
     "encode_metadata",
     "seal",
     "check_integrity",
@@ -94,7 +98,10 @@ METADATA_FILE = "dcp_ext.metadata.json"
 TORCH_METADATA_FILE = ".metadata"
 FORMAT = "dcp_ext"
 FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+#: Version 3 plus an ``incremental`` section (:mod:`dcp_ext.incremental`):
+#: written by incremental saves only, so older readers refuse them clearly.
+INCREMENTAL_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 DCP_VERSION = "1.0.0"
 
 # Largest frame a writer produces (IOConfig.frame_size's bound): a reader
@@ -125,6 +132,34 @@ def validate_file_name(name: object, where: str) -> str:
                 where,
             )
     return name
+
+
+#: How a frame stored in another checkpoint's data file is named: relative to
+#: the checkpoint's own directory, in a sibling directory under the same root.
+REFERENCE_PREFIX = "../"
+
+
+def reference_name(directory: str, file: str) -> str:
+    """The name of ``file`` in the sibling checkpoint directory ``directory``
+    (an incremental save's reference to an earlier save's data file)."""
+    return f"{REFERENCE_PREFIX}{directory}/{file}"
+
+
+def split_reference(name: str, where: str) -> tuple[str, str]:
+    """``(directory, file)`` of a :func:`reference_name`, both checked to be
+    plain relative names (the directory one path component).
+
+    Raises:
+        CheckpointCorruptError: ``name`` is not a well-formed reference.
+    """
+    if not isinstance(name, str) or not name.startswith(REFERENCE_PREFIX):
+        raise CheckpointCorruptError(f"{where}: {name!r} is not a reference to another checkpoint's file", where)
+    directory, _, file = name[len(REFERENCE_PREFIX):].partition("/")
+    if not directory or not _NAME_PART.match(directory):
+        raise CheckpointCorruptError(
+            f"{where}: reference {name!r} names no plain sibling checkpoint directory; refusing to read it", where
+        )
+    return directory, validate_file_name(file, where)
 
 
 @dataclass(frozen=True)
@@ -165,6 +200,16 @@ class StoredItem:
         indexed: The frame lengths and checksums are in the file's frame
             index (:mod:`dcp_ext.metadata.frame_index`) and not attached yet.
         frame_index: On a writer's results: its file's frame index.
+        frame_hashes: Incremental saves: xxh3-128 of each frame's raw
+            bytes, 16 bytes each (big-endian digests), in frame order; what
+            the next incremental save compares its frames with.
+        frame_offsets: Incremental saves: each frame's stored offset in the
+            file that holds it. Empty: frames lie back to back from
+            ``offset + data_offset`` (every other checkpoint).
+        frame_sources: With ``frame_offsets``: which file holds each frame,
+            ``""`` for ``relative_path`` itself, else a reference to a data
+            file of an earlier checkpoint under the same root
+            (:func:`reference_name`: ``"../step10_partial/model_rank0.distcp"``).
     """
 
     relative_path: str
@@ -179,11 +224,19 @@ class StoredItem:
     checksums: tuple[int, ...] = ()
     indexed: bool = False
     frame_index: FrameIndexRef | None = None
+    frame_hashes: bytes = b""
+    frame_offsets: tuple[int, ...] = ()
+    frame_sources: tuple[str, ...] = ()
 
     @property
     def raw_size(self) -> int:
         """Bytes of raw data the item decodes to."""
         return self.data_length if self.raw_length < 0 else self.raw_length
+
+    @property
+    def references(self) -> bool:
+        """Whether some of its frames are stored in an earlier checkpoint's file."""
+        return any(self.frame_sources)
 
     def to_torch(self) -> _StorageInfo:
         """The torch ``_StorageInfo`` that torch's readers understand."""
@@ -213,6 +266,7 @@ def encode_metadata(
     *,
     world_size: int,
     version: int = FORMAT_VERSION,
+    incremental: dict[str, Any] | None = None,
 ) -> bytes:
     """Serialize ``metadata`` and where its items live as dcp_ext's JSON.
 
@@ -223,7 +277,14 @@ def encode_metadata(
         version: ``3`` (items' frame tables in their files' frame indexes,
             a compact chunk table) or ``2`` (everything in the document;
             the items must carry their frame tables).
+        incremental: An incremental save's section (``base``, ``chain``,
+            ``references``: see :mod:`dcp_ext.incremental`); the document is
+            then version 4 (version 3 with this section).
     """
+    if incremental is not None:
+        if version != 3:
+            raise ValueError("incremental saves write metadata version 3 (with an incremental section)")
+        return _encode_v3(metadata, items, world_size, incremental)
     if version == 3:
         return _encode_v3(metadata, items, world_size)
     if version != 2:
@@ -291,7 +352,10 @@ def _header(metadata: Metadata, world_size: int, version: int) -> dict[str, Any]
     }
 
 
-def _encode_v3(metadata: Metadata, items: Mapping[MetadataIndex, StoredItem], world_size: int) -> bytes:
+def _encode_v3(
+    metadata: Metadata, items: Mapping[MetadataIndex, StoredItem], world_size: int,
+    incremental: dict[str, Any] | None = None,
+) -> bytes:
     """Version 3: a chunk table (:mod:`~dcp_ext.metadata.chunk_table`) and, per file, its frame index."""
     from ..write_results import StoredColumns
     from .table_encode import TableEncoder
@@ -313,7 +377,9 @@ def _encode_v3(metadata: Metadata, items: Mapping[MetadataIndex, StoredItem], wo
         else:
             state_dict[fqn] = {"kind": "bytes", "table": table.add(None, None, stored.rows[a:b])}
     chunk_table, table_codec, raw_bytes = table.finish()
-    document = _header(metadata, world_size, 3)
+    document = _header(metadata, world_size, 3 if incremental is None else INCREMENTAL_VERSION)
+    if incremental is not None:
+        document["incremental"] = incremental
     document.update({
         "files": [[name, size, ref.at, ref.length, f"{ref.xxh3:016x}"] for name, size, ref in stored.files],
         "codecs": [list(c) for c in stored.codecs],

@@ -9,16 +9,24 @@ the indexes of the files it reads, with one ranged read each.
 
 Layout (little-endian)::
 
-    b"DCPXFI" + version (u16 = 1)
+    b"DCPXFI" + version (u16 = 1 or 2)
     items (u32), frames (u64), compressed frames (u64)
     checksums: frames x u64       (xxh3-64 of each frame's stored bytes)
     lengths:   compressed frames x u32  (stored bytes of each compressed frame)
+    version 2 only (incremental saves, :mod:`dcp_ext.incremental`):
+      sources size (u32)
+      hashes:  frames x 16 bytes  (xxh3-128 of each frame's raw bytes)
+      source:  frames x u32       (0: this file; k: the k-th name in sources)
+      offsets: frames x u64       (where the frame's stored bytes start in that file)
+      sources: JSON list of reference names ("../step10_partial/model_rank0.distcp")
     xxh3-64 of everything above (u64)
 
 Frames are listed item by item in the order the items lie in the file, each
 item's frames in order; how many frames an item has follows from the global
 document (its raw size and the frame size), so the index holds no per-item
-record. Only compressed items have entries in ``lengths``.
+record. Only compressed items have entries in ``lengths``. In version 2
+every frame says where it lies, so a file may hold only the frames that
+changed since the save it refers to.
 
 Which ranks call what: the writer of a data file builds its index
 (:func:`encode_frame_index`) and appends it; readers fetch and attach it
@@ -28,6 +36,7 @@ Which ranks call what: the writer of a data file builds its index
 from __future__ import annotations
 
 import dataclasses
+import json
 import struct
 from array import array
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -37,13 +46,16 @@ import xxhash
 
 from ..errors import CheckpointCorruptError
 from .chunk_table import ChunkLocations
-from .document import FrameIndexRef, StoredItem
+from .document import FrameIndexRef, StoredItem, split_reference
 
 __all__ = ["encode_frame_index", "frame_index_of", "attach_frame_index", "attach_frame_indexes", "frame_count", "MAX_INDEX_BYTES"]
 
 _MAGIC = b"DCPXFI"
 _VERSION = 1
+_VERSION_INCREMENTAL = 2
 _HEADER = struct.Struct("<6sHIQQ")
+_SOURCES = struct.Struct("<I")
+_HASH = 16
 _TRAILER = struct.Struct("<Q")
 #: A reader never allocates more than this for one file's index, whatever the metadata claims.
 MAX_INDEX_BYTES = 1 << 32
@@ -66,15 +78,35 @@ def encode_frame_index(items: Sequence[StoredItem]) -> bytes:
             lengths.extend(item.frame_lengths)
     if sums.itemsize != 8 or lengths.itemsize != 4:  # pragma: no cover - every supported platform
         raise RuntimeError("array item sizes differ from the index format")
-    return frame_index_of(len(items), _little(sums), _little(lengths))
+    if not any(item.frame_offsets for item in items):
+        return frame_index_of(len(items), _little(sums), _little(lengths))
+    names: dict[str, int] = {}
+    hashes = bytearray()
+    source = array("I")
+    offsets = array("Q")
+    for item in items:
+        count = frame_count(item)
+        if len(item.frame_offsets) != count or len(item.frame_hashes) != _HASH * count:
+            raise ValueError(f"an item of {item.relative_path!r} lacks frame offsets or hashes (incremental index)")
+        hashes += item.frame_hashes
+        offsets.extend(item.frame_offsets)
+        sources = item.frame_sources or ("",) * count
+        source.extend(names.setdefault(name, len(names) + 1) if name else 0 for name in sources)
+    table = json.dumps(list(names), separators=(",", ":")).encode()
+    extra = _SOURCES.pack(len(table)) + bytes(hashes) + _little(source) + _little(offsets) + table
+    return _index(_VERSION_INCREMENTAL, len(items), _little(sums), _little(lengths), extra)
 
 
 def frame_index_of(items: int, checksums: bytes, lengths: bytes = b"") -> bytes:
     """A file's index from its items' count and their frames' little-endian
     checksums (u64 each) and compressed frame lengths (u32 each), in file order."""
+    return _index(_VERSION, items, checksums, lengths, b"")
+
+
+def _index(version: int, items: int, checksums: bytes, lengths: bytes, extra: bytes) -> bytes:
     if len(checksums) % 8 or len(lengths) % 4:
         raise ValueError("frame checksums are 8 bytes each and frame lengths 4 bytes each")
-    data = _HEADER.pack(_MAGIC, _VERSION, items, len(checksums) // 8, len(lengths) // 4) + checksums + lengths
+    data = _HEADER.pack(_MAGIC, version, items, len(checksums) // 8, len(lengths) // 4) + checksums + lengths + extra
     return data + _TRAILER.pack(xxhash.xxh3_64_intdigest(data))
 
 
@@ -111,11 +143,17 @@ def attach_frame_index(
     given = list(items)
     order = sorted(range(len(given)), key=lambda k: given[k].offset)
     ordered = [given[k] for k in order]
+    located: _Located | None = None
     try:
         magic, version, count, frames, compressed = _HEADER.unpack_from(data, 0)
         end = _HEADER.size + 8 * frames + 4 * compressed
-        if magic != _MAGIC or version != _VERSION or end + _TRAILER.size != len(data):
-            raise ValueError("not a version-1 frame index")
+        if magic != _MAGIC or version not in (_VERSION, _VERSION_INCREMENTAL):
+            raise ValueError("not a version-1 or version-2 frame index")
+        if version == _VERSION_INCREMENTAL:
+            located = _Located.parse(data, end, frames, ref.at, where)
+            end = located.end
+        if end + _TRAILER.size != len(data):
+            raise ValueError(f"its sections end at byte {end}, not {len(data) - _TRAILER.size}")
         (own,) = _TRAILER.unpack_from(data, end)
         if own != xxhash.xxh3_64_intdigest(data[:end]):
             raise ValueError("its own checksum does not match")
@@ -124,7 +162,7 @@ def attach_frame_index(
         sums = array("Q")
         sums.frombytes(data[_HEADER.size : _HEADER.size + 8 * frames])
         lengths = array("I")
-        lengths.frombytes(data[_HEADER.size + 8 * frames : end])
+        lengths.frombytes(data[_HEADER.size + 8 * frames : _HEADER.size + 8 * frames + 4 * compressed])
         if _BIG_ENDIAN:  # pragma: no cover - every supported platform is little-endian
             sums.byteswap()
             lengths.byteswap()
@@ -135,6 +173,8 @@ def attach_frame_index(
     for item in ordered:
         k = frame_count(item)
         fields: dict[str, object] = {"checksums": tuple(sums[s : s + k]), "indexed": False}
+        if located is not None:
+            fields.update(located.fields(s, k))
         s += k
         if item.transforms:
             frame_lengths = tuple(lengths[n : n + k])
@@ -157,6 +197,58 @@ def attach_frame_index(
     for position, k in enumerate(order):
         aligned[k] = out[position]
     return aligned
+
+
+@dataclasses.dataclass(frozen=True)
+class _Located:
+    """Version 2's sections: each frame's raw hash and where its stored bytes are."""
+
+    hashes: bytes
+    source: array  # type: ignore[type-arg]
+    offsets: array  # type: ignore[type-arg]
+    names: tuple[str, ...]
+    end: int
+
+    @classmethod
+    def parse(cls, data: bytes, at: int, frames: int, data_end: int, where: str) -> _Located:
+        (table_bytes,) = _SOURCES.unpack_from(data, at)
+        at += _SOURCES.size
+        hashes = data[at : at + _HASH * frames]
+        at += _HASH * frames
+        source = array("I")
+        source.frombytes(data[at : at + 4 * frames])
+        at += 4 * frames
+        offsets = array("Q")
+        offsets.frombytes(data[at : at + 8 * frames])
+        at += 8 * frames
+        if len(hashes) != _HASH * frames or len(offsets) != frames:
+            raise ValueError("its frame locations are cut short")
+        try:
+            names = json.loads(data[at : at + table_bytes])
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ValueError(f"its table of referenced files is unreadable ({err})") from err
+        if not isinstance(names, list):
+            raise ValueError("its table of referenced files is not a list")
+        for name in names:
+            split_reference(name, where)
+        if _BIG_ENDIAN:  # pragma: no cover
+            source.byteswap()
+            offsets.byteswap()
+        if frames and max(source) > len(names):
+            raise ValueError("a frame names a referenced file the index does not list")
+        for k in range(frames):
+            if source[k] == 0 and offsets[k] >= data_end:
+                raise ValueError(f"frame {k} lies at byte {offsets[k]}, past the file's data ({data_end} bytes)")
+        return cls(hashes, source, offsets, tuple(names), at + table_bytes)
+
+    def fields(self, first: int, count: int) -> dict[str, object]:
+        """One item's ``frame_hashes``, ``frame_offsets`` and ``frame_sources``."""
+        names = ("", *self.names)
+        return {
+            "frame_hashes": self.hashes[_HASH * first : _HASH * (first + count)],
+            "frame_offsets": tuple(self.offsets[first : first + count]),
+            "frame_sources": tuple(names[i] for i in self.source[first : first + count]),
+        }
 
 
 def attach_frame_indexes(

@@ -1,0 +1,223 @@
+"""Incremental saves: write only the frames that changed since the last save.
+
+With ``CheckpointManager(incremental=True)`` every save hashes each frame's
+raw bytes (xxh3-128) as it writes them, next to the frame checksums it
+computes anyway, and records the hashes in its data files' frame indexes
+(version 2, :mod:`dcp_ext.metadata.frame_index`). The next save compares each
+frame with the frame of the same key, chunk offsets, frame size and codec in
+its *base*, the newest committed checkpoint: a frame whose hash matches is
+not written again. The new checkpoint's frame index records instead where the
+frame's stored bytes already are, in the data file of whichever earlier save
+wrote them (always that file itself, never a reference to a reference), with
+their checksum. Loads read those bytes there, with the same ranged, parallel,
+verified reads; resharding works as for any checkpoint.
+
+A save that has ``max_chain`` incremental saves behind it since the last
+self-contained one writes every frame again (and becomes the next chain's
+start), so a checkpoint never needs the files of more than ``max_chain + 1``
+saves. Retention and deletion (:mod:`dcp_ext.root`) keep every data file a
+kept checkpoint refers to.
+
+Which ranks call what:
+
+* the manager (every rank) says which checkpoint is the base
+  (:class:`IncrementalSave`);
+* each rank's writer reads the base's metadata and the frame indexes of the
+  base files holding its own items (:func:`read_base`), then writes through
+  :class:`~dcp_ext.frames.FrameEncoder` with each item's :class:`BaseItem`;
+* the coordinator writes the metadata's ``incremental`` section: the base,
+  the chain length and every referenced file with its bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from .config import IOConfig
+from .errors import CheckpointIncompleteError, CheckpointNotFoundError, NotACheckpointError
+from .metadata import StoredItem
+from .metadata.chunk_table import ChunkLocations
+from .metadata.document import reference_name
+from .metadata.frame_index import attach_frame_indexes, frame_count
+from .read_planning import ChunkShapes
+
+__all__ = ["IncrementalSave", "BaseItem", "BaseFrames", "read_base", "HASH_BYTES"]
+
+#: Bytes of a frame's content hash (xxh3-128 of its raw bytes).
+HASH_BYTES = 16
+
+
+@dataclass(frozen=True)
+class IncrementalSave:
+    """How one save is incremental (made by the manager on every rank; it pickles).
+
+    Attributes:
+        base_url: The base checkpoint's directory (``None``: no base, write
+            every frame and record hashes).
+        base_dir: Its directory's name under the root (``step10_partial``).
+        base_tag: Its tag.
+        max_chain: Incremental saves allowed since the last self-contained one.
+    """
+
+    base_url: str | None = None
+    base_dir: str | None = None
+    base_tag: str | None = None
+    max_chain: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_chain < 0:
+            raise ValueError(f"max_chain must be >= 0, got {self.max_chain}")
+        if (self.base_url is None) != (self.base_dir is None):
+            raise ValueError("IncrementalSave needs both base_url and base_dir, or neither")
+
+
+@dataclass(frozen=True)
+class BaseItem:
+    """One stored item of the base checkpoint, as the next save compares with it.
+
+    Attributes:
+        frame_size: Raw bytes per frame.
+        transforms: Its codec's transform descriptors (``()``: raw).
+        raw_size: Raw bytes of the item.
+        hashes: xxh3-128 of each frame's raw bytes (16 bytes each).
+        checksums: xxh3-64 of each frame's stored bytes.
+        lengths: Stored bytes of each frame.
+        offsets: Where each frame's stored bytes start in the file holding them.
+        sources: That file, as a reference name from a sibling checkpoint.
+    """
+
+    frame_size: int
+    transforms: tuple[str, ...]
+    raw_size: int
+    hashes: bytes
+    checksums: tuple[int, ...]
+    lengths: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sources: tuple[str, ...]
+
+    def matches(self, frame_size: int, transforms: tuple[str, ...], raw_size: int) -> bool:
+        """Whether frames written with these settings line up with this item's."""
+        return (self.frame_size, self.transforms, self.raw_size) == (frame_size, transforms, raw_size)
+
+    def hash_of(self, k: int) -> bytes:
+        return self.hashes[HASH_BYTES * k : HASH_BYTES * (k + 1)]
+
+
+@dataclass(frozen=True)
+class BaseFrames:
+    """What one rank's writer compares with: its items' frames in the base.
+
+    Attributes:
+        items: ``(key, chunk offsets or None) -> BaseItem`` for this rank's
+            items that the base holds with the same dtype and shape.
+        chain: The base's chain length (saves since its last self-contained
+            one); ``None`` when the base recorded no hashes (then nothing is
+            referred to and this save starts a chain).
+        referable: Whether this save may refer to the base's frames
+            (``chain + 1 <= max_chain``).
+    """
+
+    items: dict[tuple[str, tuple[int, ...] | None], BaseItem] = dataclasses.field(default_factory=dict)
+    chain: int | None = None
+    referable: bool = False
+
+    @property
+    def own_chain(self) -> int:
+        """The chain length of the save comparing with this base."""
+        return self.chain + 1 if self.referable and self.chain is not None else 0
+
+    def get(self, item: WriteItem) -> BaseItem | None:
+        if not self.referable:
+            return None
+        return self.items.get(_key(item))
+
+
+def _key(item: WriteItem) -> tuple[str, tuple[int, ...] | None]:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return (item.index.fqn, None)
+    return (item.index.fqn, tuple(int(o) for o in item.tensor_data.chunk.offsets))
+
+
+def read_base(
+    save: IncrementalSave, items: Sequence[WriteItem], config: IOConfig, storage_options: dict[str, Any]
+) -> BaseFrames:
+    """(each rank, before writing) This rank's items as the base stored them.
+
+    Reads the base's metadata and the frame indexes of the base files that
+    hold this rank's items (typically its own earlier files: one ranged read
+    each). A base that cannot be read, or that recorded no hashes, gives an
+    empty :class:`BaseFrames`: the save then writes every frame (a warning
+    is not needed: the result is the same checkpoint, only larger).
+
+    Raises:
+        CheckpointCorruptError: The base's metadata or an index is damaged
+            (a save must not build on a damaged checkpoint).
+    """
+    if save.base_url is None or save.base_dir is None:
+        return BaseFrames()
+    from .reader import CheckpointReader  # the reader imports the writer's modules
+
+    reader = CheckpointReader(save.base_url, storage_options=storage_options, config=config)
+    try:
+        metadata = reader.read_metadata()
+    except (CheckpointNotFoundError, CheckpointIncompleteError, NotACheckpointError):
+        return BaseFrames()  # deleted or never committed: nothing to compare with
+    section = reader.incremental
+    locations = metadata.storage_data
+    if section is None or not isinstance(locations, ChunkLocations):
+        return BaseFrames()
+    referable = section.chain + 1 <= save.max_chain
+    if not referable:
+        return BaseFrames(chain=section.chain, referable=False)
+    found: dict[tuple[str, tuple[int, ...] | None], StoredItem] = {}
+    state = metadata.state_dict_metadata
+    shapes = ChunkShapes(state)
+    for item in items:
+        key = _key(item)
+        md = state.get(key[0])
+        if key[1] is None:
+            index = MetadataIndex(key[0])
+            if md is None or isinstance(md, TensorStorageMetadata):
+                continue
+        else:
+            if not isinstance(md, TensorStorageMetadata) or item.tensor_data is None:
+                continue
+            if md.properties.dtype != item.tensor_data.properties.dtype:
+                continue
+            index = MetadataIndex(key[0], key[1])
+        stored = locations.get(index)
+        if stored is None:
+            continue
+        if key[1] is not None:
+            shape = shapes.of(index)
+            if shape is None or shape[1] != tuple(int(s) for s in item.tensor_data.chunk.sizes):  # type: ignore[union-attr]
+                continue
+        found[key] = stored
+    store = reader.store
+    attach_frame_indexes(
+        locations, {s.relative_path for s in found.values()}, reader.frame_indexes,
+        lambda name, ref: store.read_range(name, ref.at, ref.length, allow_short=True),
+        store.describe, config.max_concurrency,
+    )
+    out: dict[tuple[str, tuple[int, ...] | None], BaseItem] = {}
+    for key in found:
+        index = MetadataIndex(key[0]) if key[1] is None else MetadataIndex(key[0], key[1])
+        full = locations[index]
+        count = frame_count(full)
+        if not full.frame_offsets or len(full.frame_hashes) != HASH_BYTES * count:
+            continue
+        own = reference_name(save.base_dir, full.relative_path)
+        lengths = full.frame_lengths if full.transforms else tuple(
+            min(full.frame_size, full.raw_size - k * full.frame_size) for k in range(count)
+        )
+        out[key] = BaseItem(
+            full.frame_size, full.transforms, full.raw_size, full.frame_hashes, full.checksums, lengths,
+            full.frame_offsets, tuple(s or own for s in (full.frame_sources or ("",) * count)),
+        )
+    return BaseFrames(out, section.chain, True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ._dcp_calls import AsyncSaveHandle
 from .api import load, save
 from .codecs import Codec, ZstdCodec
+from .compact import CompactReport, compact
 from .config import IOConfig, RetryPolicy
 from .errors import (
     BucketNotFoundError,
@@ -79,6 +80,8 @@ __all__ = [
     "TagInfo",
     "UnsafeUserContentError",
     "verify",
+    "compact",
+    "CompactReport",
     "VerifyReport",
     "Problem",
     "Codec",

@@ -30,6 +30,7 @@ from .full import CREATED_KEY
 from .integrity import read_own_metadata, verify
 from .layout import PARTIAL_SUFFIX
 from .retention import KeepEvery, KeepLast, RetentionPolicy
+from .compact import compact
 from .root import RETIRED_FILE, CheckpointRoot
 from .storage import Store, join_path, normalize_path, open_store
 
@@ -361,6 +362,21 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compact(args: argparse.Namespace) -> int:
+    options = _options(args)
+    root = _open_root(args.root, options)
+    directory = args.tag + PARTIAL_SUFFIX
+    others = {file for d, file in root.referenced_files(exclude={args.tag}) if d == directory}
+    report = compact(root.partial_url(args.tag), storage_options=options, referenced_elsewhere=others)
+    removed = root.sweep_retired()
+    if not report.changed:
+        print(f"{root.partial_url(args.tag)} refers to no other checkpoint: nothing to do")
+        return 0
+    print(f"{report.path}: rewrote {len(report.rewritten)} data file(s), copied {_size(report.copied_bytes)} from "
+          f"earlier checkpoints" + (f"; removed retired {', '.join(removed)}" if removed else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dcp-ext", description="dcp_ext command-line tool")
     parser.add_argument("--verbose", "-v", action="store_true", help="show the full cause chain of errors")
@@ -407,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also keep every checkpoint whose step (last number in its tag) is a multiple of K")
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     storage(p)
+    p = commands.add_parser("compact", help="rewrite an incremental checkpoint so it refers to no other")
+    p.add_argument("root", help="checkpoint root")
+    p.add_argument("tag", help="the checkpoint to rewrite")
+    storage(p)
     demo.add_arguments(commands.add_parser("demo", help="save and load a sharded checkpoint across 2 local processes"))
     return parser
 
@@ -414,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    handlers = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export, "prune": cmd_prune}
+    handlers = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export, "prune": cmd_prune,
+                "compact": cmd_compact}
     try:
         if args.command == "demo":
             return demo.run(args.path, args.width, args.depth)

@@ -50,6 +50,7 @@ from torch import nn
 
 from ._dcp_calls import AsyncSaveHandle, run_load, run_save, start_async_save
 from .codecs import Codec, resolve_codec
+from .compact import CompactReport, compact
 from .config import IOConfig
 from .errors import (
     CheckpointExistsError,
@@ -784,6 +785,25 @@ class CheckpointManager:
             ValueError: ``tag`` is the target of ``newest`` (partial).
         """
         self.checkpoints.delete(tag, partial=partial, full=full)
+
+    def compact(self, tag: str) -> CompactReport:
+        """(one process, e.g. the coordinator; no save in flight on this root)
+        Rewrite the incremental checkpoint ``tag`` self-contained: the frames
+        it refers to in earlier checkpoints' files are copied into new files
+        of its own (see :mod:`dcp_ext.compact`). Earlier checkpoints' files
+        that nothing refers to any more are then removed.
+
+        Returns:
+            What was rewritten (nothing for a checkpoint that refers to no other).
+        """
+        validate_tag(tag)
+        self.wait()
+        directory = partial_dir(tag)
+        others = {file for d, file in self.checkpoints.referenced_files(exclude={tag}) if d == directory}
+        report = compact(self.checkpoints.partial_url(tag), storage_options=self.storage_options, config=self.config,
+                         referenced_elsewhere=others)
+        self.checkpoints.sweep_retired()
+        return report
 
     def export(
         self,

@@ -187,6 +187,10 @@ def test_damaged_or_missing_base_file_fails_from_the_newer_tag(tmp_path: Path) -
     assert "0.weight" in report.problems[0].keys[0] and "checksum mismatch" in report.problems[0].reason
     with pytest.raises(ChecksumMismatchError, match=r"s0_partial.model_rank0\.distcp \(referenced by .*s1_partial"):
         manager.resume(_model(seed=1), tag="s1")
+    before = (tmp_path / "s1_partial" / "dcp_ext.metadata.json").read_bytes()
+    with pytest.raises(ChecksumMismatchError, match="Nothing was compacted"):
+        manager.compact("s1")  # never a self-contained copy of damaged bytes
+    assert (tmp_path / "s1_partial" / "dcp_ext.metadata.json").read_bytes() == before
     data[FRAME + 7] ^= 0x40
     base.write_bytes(bytes(data))
     os.rename(base, str(base) + ".moved")
@@ -252,3 +256,44 @@ def test_fsdp2_world_incremental_saves_reshard_and_retention(tmp_path: Path) -> 
     own = {(d, f) for d, f in left if d in ("s4_partial", "s5_partial")}
     assert left - own == referenced - own and referenced <= left
     assert all(dcp_ext.verify(kept.checkpoints.partial_url(tag)).ok for tag in kept.tags())
+
+
+def test_compact_and_export_make_self_contained_copies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import load_file
+
+    from dcp_ext.cli import main
+
+    manager = dcp_ext.CheckpointManager(tmp_path / "root", config=dcp_ext.IOConfig(frame_size=FRAME), incremental=True,
+                                        compression="zstd")
+    model = _model()
+    states = {}
+    for step in range(3):
+        with torch.no_grad():
+            model[2].bias.add_(1)
+            if step == 1:
+                model[0].weight[0:2].add_(1)  # a frame s1 writes and s2 refers to
+        manager.save(f"s{step}", model)
+        states[f"s{step}"] = _state(model)
+    manager.delete("s0")  # retired: s1 and s2 refer to its files
+    # Export of an incremental tag: a full file that needs nothing else.
+    out = manager.export("s2", out=str(tmp_path / "s2.safetensors"))
+    assert state_diff(states["s2"], load_file(str(tmp_path / "s2.safetensors"))) == [], out
+    # Compacting s1 (which s2 refers to) keeps its replaced file for s2; s0 stays retired for s2.
+    report = manager.compact("s1")
+    assert report.changed and report.copied_bytes > 0 and report.kept_old == ("model_rank0.distcp",)
+    assert _document(manager, "s1")["incremental"] == {"base": None, "chain": 0, "references": []}
+    # Then s2 by the CLI: now nothing refers to s0, whose directory goes.
+    capsys.readouterr()
+    assert main(["compact", str(tmp_path / "root"), "s2"]) == 0
+    assert "rewrote 1 data file(s)" in capsys.readouterr().out
+    assert not (tmp_path / "root" / "s0_partial").exists()
+    for tag in ("s1", "s2"):
+        fresh = _model(seed=4)
+        manager.resume(fresh, tag=tag)
+        assert state_diff(states[tag], fresh.state_dict()) == [], tag
+        assert dcp_ext.verify(manager.checkpoints.partial_url(tag)).ok
+        assert manager.compact(tag).changed is False  # nothing left to do
+    # A compacted tag is still a base: the next save refers to it.
+    manager.save("s3", model)
+    assert _document(manager, "s3")["incremental"]["base"] == "s2"
+    assert _own_bytes(manager, "s3") < 0.1 * _own_bytes(manager, "s2")

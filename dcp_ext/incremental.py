@@ -47,10 +47,16 @@ from .metadata.document import reference_name
 from .metadata.frame_index import attach_frame_indexes, frame_count
 from .read_planning import ChunkShapes
 
-__all__ = ["IncrementalSave", "BaseItem", "BaseFrames", "read_base", "HASH_BYTES"]
+__all__ = ["IncrementalSave", "BaseItem", "BaseFrames", "read_base", "HASH_BYTES", "MIN_REFERENCED_BYTES"]
 
 #: Bytes of a frame's content hash (xxh3-128 of its raw bytes).
 HASH_BYTES = 16
+#: Items smaller than this (or than one frame, if frames are smaller) are
+#: written by every save, never referred to: a few bytes that do not change
+#: (an optimizer's ``param_groups``, a frozen bias) would otherwise keep a
+#: whole earlier data file alive after retention deleted its checkpoint, for
+#: almost no saving.
+MIN_REFERENCED_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -133,9 +139,13 @@ class BaseFrames:
         return self.chain + 1 if self.referable and self.chain is not None else 0
 
     def get(self, item: WriteItem) -> BaseItem | None:
+        """The base's copy of ``item``, if this save may refer to it (see :data:`MIN_REFERENCED_BYTES`)."""
         if not self.referable:
             return None
-        return self.items.get(_key(item))
+        found = self.items.get(_key(item))
+        if found is None or found.raw_size < min(MIN_REFERENCED_BYTES, found.frame_size):
+            return None
+        return found
 
 
 def _key(item: WriteItem) -> tuple[str, tuple[int, ...] | None]:

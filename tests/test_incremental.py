@@ -83,7 +83,8 @@ def test_saves_write_only_changed_frames_and_every_tag_loads(
     own = {tag: _own_bytes(manager, tag) for tag in expected}
     full = own["s0"]
     assert own["s4"] >= 0.9 * full  # the chain restarts: everything written
-    assert own["s3"] < 0.02 * full, own  # nothing changed: no data, only the frame index
+    # Nothing changed: only the items under MIN_REFERENCED_BYTES (the 8 KiB head, the biases) and the index.
+    assert own["s3"] < 0.06 * full, own
     # The head (a frame) changed; at s2 also one embedding frame of 8 (and nothing else).
     assert own["s1"] < 0.2 * full and own["s2"] < own["s1"] + 0.2 * full, own
     sections = {tag: _document(manager, tag)["incremental"] for tag in expected}
@@ -233,9 +234,9 @@ def test_fsdp2_world_incremental_saves_reshard_and_retention(tmp_path: Path) -> 
     full = reports[0]["full"]
     every = dcp_ext.CheckpointManager(roots["all"])
     sizes = {tag: _own_bytes(every, tag) for tag in full}
-    # Only the adapter, head and Adam state change between saves: about a third of the bytes
-    # (the frozen embedding and linear, and their absent optimizer state, are the rest).
-    assert all(sizes[f"s{k}"] < 0.45 * sizes["s0"] for k in range(1, incremental_workers.STEPS)), sizes
+    # Only the adapter, head and their Adam state change between saves (and items under a frame,
+    # always written): the frozen 512 KiB embedding is referred to.
+    assert all(sizes[f"s{k}"] < 0.3 * sizes["s0"] for k in range(1, incremental_workers.STEPS)), sizes
     # The embedding's changed rows cost one more frame at that step, not the tensor.
     step = incremental_workers.EMBED_STEP
     assert sizes[f"s{step}"] - sizes[f"s{step - 1}"] < 4 * incremental_workers.FRAME, sizes

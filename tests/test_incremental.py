@@ -47,7 +47,7 @@ def _own_bytes(manager: dcp_ext.CheckpointManager, tag: str) -> int:
     return sum(store.size(n) for n in store.list_tree() if n.endswith(".distcp"))
 
 
-@pytest.mark.parametrize("kind,compression", [("local", None), ("moto", "zstd")])
+@pytest.mark.parametrize("kind,compression", [("local", None), ("memory", None), ("moto", "zstd")])
 def test_saves_write_only_changed_frames_and_every_tag_loads(
     kind: str, compression: str | None, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:

@@ -32,6 +32,7 @@ Which ranks call what:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,14 +41,17 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from .config import IOConfig
-from .errors import CheckpointIncompleteError, CheckpointNotFoundError, NotACheckpointError
-from .metadata import StoredItem
+from .errors import CheckpointCorruptError, CheckpointNotFoundError
+from .metadata import METADATA_FILE, StoredItem, decode_metadata
 from .metadata.chunk_table import ChunkLocations
 from .metadata.document import reference_name
 from .metadata.frame_index import attach_frame_indexes, frame_count
 from .read_planning import ChunkShapes
+from .storage import open_store
 
 __all__ = ["IncrementalSave", "BaseItem", "BaseFrames", "read_base", "HASH_BYTES", "MIN_REFERENCED_BYTES"]
+
+log = logging.getLogger("dcp_ext.incremental")
 
 #: Bytes of a frame's content hash (xxh3-128 of its raw bytes).
 HASH_BYTES = 16
@@ -69,12 +73,15 @@ class IncrementalSave:
         base_dir: Its directory's name under the root (``step10_partial``).
         base_tag: Its tag.
         max_chain: Incremental saves allowed since the last self-contained one.
+        base_metadata: The base's metadata document, read once by the
+            coordinator and shared (``None``: each rank reads it).
     """
 
     base_url: str | None = None
     base_dir: str | None = None
     base_tag: str | None = None
     max_chain: int = 8
+    base_metadata: bytes | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_chain < 0:
@@ -159,27 +166,37 @@ def read_base(
 ) -> BaseFrames:
     """(each rank, before writing) This rank's items as the base stored them.
 
-    Reads the base's metadata and the frame indexes of the base files that
-    hold this rank's items (typically its own earlier files: one ranged read
-    each). A base that cannot be read, or that recorded no hashes, gives an
-    empty :class:`BaseFrames`: the save then writes every frame (a warning
-    is not needed: the result is the same checkpoint, only larger).
+    Decodes the base's metadata (``save.base_metadata``, else read here) and
+    reads the frame indexes of the base files that hold this rank's items
+    (typically its own earlier files: one ranged read each). A base that is
+    gone, or that recorded no hashes, gives an empty :class:`BaseFrames`:
+    the save then writes every frame (the same checkpoint, only larger).
 
-    Raises:
-        CheckpointCorruptError: The base's metadata or an index is damaged
-            (a save must not build on a damaged checkpoint).
+    A damaged base (its metadata or a frame index) is not built on either:
+    the save writes every frame, with a warning, rather than fail.
     """
     if save.base_url is None or save.base_dir is None:
         return BaseFrames()
-    from .reader import CheckpointReader  # the reader imports the writer's modules
-
-    reader = CheckpointReader(save.base_url, storage_options=storage_options, config=config)
     try:
-        metadata = reader.read_metadata()
-    except (CheckpointNotFoundError, CheckpointIncompleteError, NotACheckpointError):
-        return BaseFrames()  # deleted or never committed: nothing to compare with
-    section = reader.incremental
-    locations = metadata.storage_data
+        return _read_base(save, items, config, storage_options)
+    except CheckpointCorruptError as err:
+        log.warning("incremental save: writing every frame, since its base %s is damaged: %s", save.base_url, err)
+        return BaseFrames()
+
+
+def _read_base(
+    save: IncrementalSave, items: Sequence[WriteItem], config: IOConfig, storage_options: dict[str, Any]
+) -> BaseFrames:
+    assert save.base_url is not None and save.base_dir is not None
+    store = open_store(save.base_url, config, storage_options)
+    raw = save.base_metadata
+    if raw is None:
+        try:
+            raw = store.read_file(METADATA_FILE)
+        except CheckpointNotFoundError:
+            return BaseFrames()  # deleted meanwhile: nothing to compare with
+    decoded = decode_metadata(raw, store.describe(METADATA_FILE))
+    metadata, section, locations = decoded.metadata, decoded.incremental, decoded.metadata.storage_data
     if section is None or not isinstance(locations, ChunkLocations):
         return BaseFrames()
     referable = section.chain + 1 <= save.max_chain
@@ -209,9 +226,8 @@ def read_base(
             if shape is None or shape[1] != tuple(int(s) for s in item.tensor_data.chunk.sizes):  # type: ignore[union-attr]
                 continue
         found[key] = stored
-    store = reader.store
     attach_frame_indexes(
-        locations, {s.relative_path for s in found.values()}, reader.frame_indexes,
+        locations, {s.relative_path for s in found.values()}, decoded.frame_indexes,
         lambda name, ref: store.read_range(name, ref.at, ref.length, allow_short=True),
         store.describe, config.max_concurrency,
     )

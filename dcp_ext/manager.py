@@ -438,12 +438,24 @@ class CheckpointManager:
 
     def _incremental_save(self, tag: str) -> IncrementalSave:
         """(all ranks) The base of an incremental save of ``tag``: the tag
-        ``newest`` names, read by the coordinator and broadcast (every rank
-        must compare with the same checkpoint)."""
-        base = self.group.run_on_coordinator(self.checkpoints.newest_record)
+        ``newest`` names and its metadata document, read by the coordinator
+        and broadcast (every rank compares with the same checkpoint, and
+        storage serves one GET of the document, not one per rank)."""
+        base, document = self.group.run_on_coordinator(self._incremental_base)
         if base is None or base == tag:  # never build on the checkpoint being replaced
             return IncrementalSave(max_chain=self.max_chain)
-        return IncrementalSave(self.checkpoints.partial_url(base), partial_dir(base), base, self.max_chain)
+        return IncrementalSave(self.checkpoints.partial_url(base), partial_dir(base), base, self.max_chain, document)
+
+    def _incremental_base(self) -> tuple[str | None, bytes | None]:
+        """(coordinator) The tag ``newest`` names and its metadata document
+        (``None`` if unreadable: each rank then tries, and writes everything if it fails too)."""
+        base = self.checkpoints.newest_record()
+        if base is None:
+            return None, None
+        try:
+            return base, self.checkpoints.partial_store(base).read_file(METADATA_FILE)
+        except DcpExtError:
+            return base, None
 
     def _background_group(self) -> Any:
         """(all ranks; collective the first time) The group for collectives

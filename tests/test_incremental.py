@@ -298,3 +298,20 @@ def test_compact_and_export_make_self_contained_copies(tmp_path: Path, capsys: p
     manager.save("s3", model)
     assert _document(manager, "s3")["incremental"]["base"] == "s2"
     assert _own_bytes(manager, "s3") < 0.1 * _own_bytes(manager, "s2")
+
+
+def test_a_damaged_base_does_not_stop_saves(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    manager = dcp_ext.CheckpointManager(tmp_path, config=dcp_ext.IOConfig(frame_size=FRAME), incremental=True)
+    model = _model()
+    manager.save("a", model)
+    document = tmp_path / "a_partial" / "dcp_ext.metadata.json"
+    document.write_bytes(document.read_bytes().replace(b'"chain":0', b'"chain":7'))  # fails its integrity check
+    with torch.no_grad():
+        model[2].bias.add_(1)
+    with caplog.at_level("WARNING", logger="dcp_ext.incremental"):
+        manager.save("b", model)  # writes every frame instead of building on a damaged base
+    assert "its base" in caplog.text and "damaged" in caplog.text
+    assert _document(manager, "b")["incremental"] == {"base": None, "chain": 0, "references": []}
+    fresh = _model(seed=2)
+    manager.resume(fresh, tag="b")
+    assert state_diff(_state(model), fresh.state_dict()) == []

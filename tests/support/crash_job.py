@@ -3,9 +3,17 @@
 ``python -m tests.support.crash_job ROOT STEP CRASH [MODE]`` (from the
 repository root) saves ``step{STEP}`` under ROOT with
 ``CheckpointManager`` (FSDP2 over 2 gloo ranks, keep 2) and exits 0. MODE is
-``sync`` (default) or ``async`` (``async_save=True``: the crash points then
-fire in the background upload while the training thread waits on the
-handle). CRASH says how to die on the way:
+one of :data:`MODES`:
+
+* ``sync`` (default);
+* ``async``: ``async_save=True``; the crash points then fire in the
+  background upload while the training thread waits on the handle;
+* ``sync-incremental`` / ``async-incremental``: the same with
+  ``incremental=True``, ``max_chain=`` :data:`MAX_CHAIN` and frames of
+  :data:`FRAME_SIZE` bytes; the model changes little from step to step
+  (:func:`make_model`), so saves refer to earlier checkpoints' files.
+
+CRASH says how to die on the way:
 
 * ``none``: no crash;
 * ``{rank|all}:{point}``: SIGKILL at crash point ``point`` (see
@@ -13,8 +21,8 @@ handle). CRASH says how to die on the way:
 * ``{rank|all}:random:{seconds}``: SIGKILL that rank (or the whole job's
   process group) that many seconds after the save starts.
 
-The model's weights are a pure function of STEP (:func:`make_model`), so the
-driver can check any checkpoint bit for bit.
+The model's weights are a pure function of STEP and MODE (:func:`make_model`),
+so the driver can check any checkpoint bit for bit.
 """
 
 from __future__ import annotations
@@ -25,16 +33,58 @@ import sys
 import threading
 
 KEEP = 2
+MODES = ("sync", "async", "sync-incremental", "async-incremental")
+#: Incremental mode: saves allowed after a self-contained one; small, so
+#: chains restart even in a short run (a chain is ``MAX_CHAIN + 1`` saves).
+MAX_CHAIN = 2
+#: Incremental mode: raw bytes per frame. One rank's shard of the first
+#: layer's weight (512 rows of 512 float32) is four frames.
+FRAME_SIZE = 256 * 1024
+#: Incremental mode: the first layer's weight rows form this many blocks of
+#: one frame each; step ``s`` redraws block ``s % ROW_BLOCKS`` only.
+ROW_BLOCKS = 8
 
 
-def make_model(step: int):  # type: ignore[no-untyped-def]
+def is_incremental(mode: str) -> bool:
+    """Whether ``mode`` (one of :data:`MODES`) saves with ``incremental=True``."""
+    return mode.endswith("-incremental")
+
+
+def make_model(step: int, incremental: bool = False):  # type: ignore[no-untyped-def]
+    """The job's model at ``step``: a pure function of both arguments.
+
+    4.3 MB of weights: several data-file items per rank, so "mid data" and
+    random-time kills land inside the data. Without ``incremental`` every
+    weight depends on ``step``; with it most are the same at every step (the
+    second layer, most of the first), so incremental saves refer to earlier
+    files for them (see :func:`_redraw_for_step`).
+    """
     import torch
     from torch import nn
 
-    torch.manual_seed(step)
-    # 4.3 MB of weights: several data-file items per rank, so "mid data"
-    # and random-time kills land inside the data.
-    return nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512), nn.Linear(512, 64))
+    torch.manual_seed(0 if incremental else step)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512), nn.Linear(512, 64))
+    if incremental:
+        _redraw_for_step(model, step)
+    return model
+
+
+def _redraw_for_step(model, step: int) -> None:  # type: ignore[no-untyped-def]
+    """Redraw, from a generator seeded by ``step``, the last layer's weight and
+    one frame-sized block of rows of the first layer's (block ``step % ROW_BLOCKS``).
+
+    Two consecutive steps differ in the last layer and in at most two blocks
+    of the first: a rank's shard then mixes written and referred-to frames.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(step)
+    first = model[0].weight
+    rows = first.shape[0] // ROW_BLOCKS
+    block = step % ROW_BLOCKS
+    with torch.no_grad():
+        first[block * rows : (block + 1) * rows].normal_(generator=generator)
+        model[2].weight.normal_(generator=generator)
 
 
 def _arm(rank: int, crash: str) -> None:
@@ -68,13 +118,20 @@ def job(rank: int, world_size: int, root: str, step: int, crash: str, mode: str 
 
     import dcp_ext
 
-    model = make_model(step)
+    if mode not in MODES:
+        raise ValueError(f"MODE must be one of {MODES}, got {mode!r}")
+    incremental = is_incremental(mode)
+    model = make_model(step, incremental)
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     _arm(rank, crash)
-    manager = dcp_ext.CheckpointManager(root)
+    manager = (
+        dcp_ext.CheckpointManager(root, config=dcp_ext.IOConfig(frame_size=FRAME_SIZE), incremental=True,
+                                  max_chain=MAX_CHAIN)
+        if incremental else dcp_ext.CheckpointManager(root)
+    )
     handle = manager.save(
         f"step{step}", model, user_content={"step": step}, num_kept_partial_checkpoints=KEEP,
-        async_save=mode == "async",
+        async_save=mode.startswith("async"),
     )
     if handle is not None:
         handle.staging_completion.result()

@@ -9,7 +9,18 @@ Then, in this process (one process, no process group: a resharded load):
 2. the new tag is either committed and bit-exact, or not offered at all;
 3. no checkpoint was deleted except by retention after a committed save;
 4. after a save that completed, no uncommitted directory or temporary file
-   is left anywhere under the root.
+   is left anywhere under the root, and no data file that neither a
+   committed checkpoint holds nor one refers to.
+
+In the incremental modes (``sync-incremental``, ``async-incremental``:
+saves refer to earlier checkpoints' data files) also:
+
+5. every committed tag loads bit-exact, not only ``newest`` and the new
+   one: its frames may lie in files of checkpoints retention deleted;
+6. every file a committed checkpoint refers to exists, after every trial;
+7. a retired directory (:data:`~dcp_ext.root.RETIRED_FILE`, no metadata)
+   counts as tidy after a completed save only while it holds nothing but
+   files a committed checkpoint refers to.
 
 Used by ``tests/test_torture.py`` (a few trials) and ``bench/torture.py``
 (hundreds).
@@ -17,12 +28,15 @@ Used by ``tests/test_torture.py`` (a few trials) and ``bench/torture.py``
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import signal
 import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,20 +45,29 @@ import torch
 
 import dcp_ext
 from dcp_ext._failpoints import POINTS
+from dcp_ext.layout import DATA_SUFFIX
+from dcp_ext.metadata import METADATA_FILE
+from dcp_ext.root import RETIRED_FILE
 from dcp_ext.storage import TMP_MARK
 from tests.support import REPO
 from tests.support.compare import state_diff
-from tests.support.crash_job import KEEP, make_model
+from tests.support.crash_job import KEEP, MODES, is_incremental, make_model
 
 #: The job, run as a module from the repository root.
 JOB = [sys.executable, "-m", "tests.support.crash_job"]
+#: Seconds a job may take before the trial counts as hung.
+JOB_TIMEOUT = 180
 
 
 @dataclass
 class TortureStats:
     """``armed``: trials with a crash planned; ``kills``: jobs that actually
     died (a crash point on rank 1 that only the coordinator reaches, such as
-    ``before_newest``, never fires)."""
+    ``before_newest``, never fires). ``outcomes_by_crash``: per kind of
+    crash (a crash point, ``random`` or ``none``), its trials, kills,
+    killed saves committed anyway and violations. Incremental modes only:
+    ``referring_saves``: committed new tags that refer to earlier files;
+    ``retired_seen``: trials that left at least one retired directory."""
 
     trials: int = 0
     armed: int = 0
@@ -52,35 +75,109 @@ class TortureStats:
     committed_despite_kill: int = 0
     violations: list[str] = field(default_factory=list)
     by_crash: dict[str, int] = field(default_factory=dict)
+    outcomes_by_crash: dict[str, dict[str, int]] = field(default_factory=dict)
+    referring_saves: int = 0
+    retired_seen: int = 0
 
 
-def _expected(step: int) -> dict[str, torch.Tensor]:
-    return {k: v.detach() for k, v in make_model(step).state_dict().items()}
+@dataclass(frozen=True)
+class _JobOutcome:
+    """How one job ended: its exit code, stderr tail, seconds, and whether it hung."""
+
+    returncode: int
+    stderr: str
+    seconds: float
+    hung: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
 
 
-def _check_tag(manager: dcp_ext.CheckpointManager, tag: str) -> str | None:
+def _expected(step: int, incremental: bool) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in make_model(step, incremental).state_dict().items()}
+
+
+def _check_tag(manager: dcp_ext.CheckpointManager, tag: str, incremental: bool) -> str | None:
     """Load ``tag`` into a fresh model in this process; None if bit-exact."""
     step = int(tag.removeprefix("step"))
-    model = make_model(10_000 + step)  # different weights: all must come from the checkpoint
+    model = make_model(10_000 + step)  # different weights everywhere: all must come from the checkpoint
     try:
         result = manager.resume(model, tag=tag)
     except Exception as err:  # noqa: BLE001 - any failure is the violation
         return f"{tag}: load failed: {type(err).__name__}: {err}"
     if result.user_content != {"step": step}:
         return f"{tag}: user_content {result.user_content!r}"
-    diffs = state_diff(_expected(step), model.state_dict())
+    diffs = state_diff(_expected(step, incremental), model.state_dict())
     return f"{tag}: " + "; ".join(diffs) if diffs else None
 
 
-def _leftovers(root: Path) -> list[str]:
-    found = []
-    for path in root.rglob("*"):
-        if TMP_MARK in path.name:
-            found.append(str(path.relative_to(root)))
-    for directory in root.glob("*_partial"):
-        if not (directory / "dcp_ext.metadata.json").exists():
-            found.append(f"{directory.name} (uncommitted)")
+def _document(directory: Path) -> dict[str, Any]:
+    """A committed directory's metadata document, read as plain JSON (a side door)."""
+    document: dict[str, Any] = json.loads((directory / METADATA_FILE).read_bytes())
+    return document
+
+
+def _data_files(directory: Path) -> list[str]:
+    """Data files under ``directory`` (key prefixes too), as paths relative to it."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob(f"*{DATA_SUFFIX}"))
+
+
+def _stray_in(directory: Path, referenced: Collection[tuple[str, str]]) -> list[str]:
+    """What a completed save should have removed from one ``*_partial`` directory.
+
+    A committed directory may hold its own data files (its metadata's
+    ``files``) and files later checkpoints refer to; a retired one only files
+    a committed checkpoint refers to, and its marker; any other directory
+    without metadata is an uncommitted leftover.
+    """
+    kept = {file for d, file in referenced if d == directory.name}
+    if (directory / METADATA_FILE).exists():
+        own = {entry[0] for entry in _document(directory)["files"]}
+        return [f"{directory.name}/{name} (data file nobody holds or refers to)"
+                for name in _data_files(directory) if name not in own | kept]
+    if not (directory / RETIRED_FILE).exists():
+        return [f"{directory.name} (uncommitted)"]
+    if not kept:
+        return [f"{directory.name} (retired, but no committed checkpoint refers to its files)"]
+    present = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+    return [f"{directory.name}/{name} (in a retired directory, not referred to)"
+            for name in sorted(present - kept - {RETIRED_FILE}) if TMP_MARK not in name]
+
+
+def _leftovers(root: Path, referenced: Collection[tuple[str, str]]) -> list[str]:
+    """Temporary files, uncommitted directories and unreferenced data files under ``root``."""
+    found = [str(path.relative_to(root)) for path in root.rglob("*") if TMP_MARK in path.name]
+    for directory in sorted(root.glob("*_partial")):
+        found.extend(_stray_in(directory, referenced))
     return found
+
+
+def _missing_references(root: Path, referenced: Collection[tuple[str, str]]) -> list[str]:
+    """Files committed checkpoints refer to that are not there."""
+    return [f"{d}/{file} is referred to but missing" for d, file in sorted(referenced)
+            if not (root / d / file).is_file()]
+
+
+def _retired_dirs(root: Path) -> list[str]:
+    return sorted(d.name for d in root.glob("*_partial")
+                  if (d / RETIRED_FILE).exists() and not (d / METADATA_FILE).exists())
+
+
+def _incremental_section(root: Path, tag: str) -> dict[str, Any]:
+    """The committed ``tag``'s ``incremental`` metadata section (empty if none)."""
+    section = _document(root / f"{tag}_partial").get("incremental")
+    return section if isinstance(section, dict) else {}
+
+
+def _tally(stats: TortureStats, kind: str, *, killed: bool, committed_despite_kill: bool, violations: int) -> None:
+    """Count one trial of crash ``kind`` in ``stats.outcomes_by_crash``."""
+    outcome = stats.outcomes_by_crash.setdefault(
+        kind, {"trials": 0, "kills": 0, "committed_despite_kill": 0, "violations": 0})
+    outcome["trials"] += 1
+    outcome["kills"] += killed
+    outcome["committed_despite_kill"] += committed_despite_kill
+    outcome["violations"] += violations
 
 
 def choose_crash(rng: random.Random) -> str:
@@ -93,10 +190,75 @@ def choose_crash(rng: random.Random) -> str:
     return f"{who}:random:{rng.uniform(0.0, 0.25):.3f}"
 
 
+def _run_job(root: Path, step: int, crash: str, mode: str) -> _JobOutcome:
+    """Run the 2-rank job saving ``step{step}`` and wait for it (killing it if it hangs)."""
+    started = time.monotonic()
+    job = subprocess.Popen([*JOB, str(root.resolve()), str(step), crash, mode], cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    hung = False
+    try:
+        _, err = job.communicate(timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        _, err = job.communicate()
+        hung = True
+    return _JobOutcome(job.returncode, err.decode(errors="replace")[-500:], time.monotonic() - started, hung)
+
+
+def _check_loads(manager: dcp_ext.CheckpointManager, tag: str, before: list[str], after: list[str],
+                 newest: str | None, incremental: bool) -> list[str]:
+    """Checks 1, 2 and 5: what must load bit-exact does."""
+    problems = []
+    if newest is not None:
+        problem = _check_tag(manager, newest, incremental)
+        if problem:
+            problems.append(f"newest {problem}")
+    elif before:
+        problems.append(f"nothing loadable after the trial; before: {before}")
+    if incremental:  # frames of any kept tag may lie in files retention retired
+        others = [t for t in after if t != newest]
+    else:
+        others = [tag] if tag in after and tag != newest else []
+    problems.extend(p for p in (_check_tag(manager, t, incremental) for t in others) if p)
+    return problems
+
+
+def _check_tags(tag: str, before: list[str], after: list[str]) -> list[str]:
+    """Check 3: tags appear only by a commit and vanish only by retention after one."""
+    problems = []
+    if tag in after:
+        kept = set((before + [tag])[-KEEP:])
+        if not kept <= set(after):
+            problems.append(f"retention deleted too much: before {before}, after {after}")
+    elif set(after) != set(before):
+        problems.append(f"tags changed without a commit: before {before}, after {after}")
+    if set(after) - set(before) - {tag}:
+        problems.append(f"unexpected tags {sorted(set(after) - set(before) - {tag})}")
+    return problems
+
+
+def _check_files(manager: dcp_ext.CheckpointManager, root: Path, completed: bool) -> list[str]:
+    """Checks 4, 6 and 7: referenced files exist; a completed save left nothing stray."""
+    try:
+        referenced = manager.checkpoints.referenced_files()
+    except Exception as err:  # noqa: BLE001 - an unreadable committed metadata is the violation
+        return [f"referenced files unknown: {type(err).__name__}: {err}"]
+    problems = _missing_references(root, referenced)
+    if completed:
+        left = _leftovers(root, referenced)
+        if left:
+            problems.append(f"leftovers after a completed save: {left}")
+    return problems
+
+
 def run_trials(root: Path, trials: int, seed: int = 0, crashes: list[str] | None = None,
                log: Any = None, mode: str = "sync", first_step: int = 0) -> TortureStats:
     """Run ``trials`` trials (or one per entry of ``crashes``) under ``root``,
-    with ``sync`` or ``async`` saves, numbering steps after ``first_step``."""
+    with saves of ``mode`` (one of :data:`~tests.support.crash_job.MODES`),
+    numbering steps after ``first_step``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    incremental = is_incremental(mode)
     rng = random.Random(seed)
     stats = TortureStats()
     manager = dcp_ext.CheckpointManager(root)
@@ -106,61 +268,39 @@ def run_trials(root: Path, trials: int, seed: int = 0, crashes: list[str] | None
         step += 1
         tag = f"step{step}"
         before = manager.tags()
-        started = time.monotonic()
-        job = subprocess.Popen([*JOB, str(Path(root).resolve()), str(step), crash, mode], cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        try:
-            _, err = job.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            import os
-
-            os.killpg(job.pid, signal.SIGKILL)
-            _, err = job.communicate()
-            stats.violations.append(f"trial {step} ({crash}): job hung for 180 s")
-        elapsed = time.monotonic() - started
-        ok = job.returncode == 0
+        job = _run_job(Path(root), step, crash, mode)
         stats.trials += 1
         kind = crash.split(":")[1] if crash != "none" else "none"
         stats.by_crash[kind] = stats.by_crash.get(kind, 0) + 1
-        if crash == "none" and not ok:
-            stats.violations.append(f"trial {step}: uncrashed save failed: {err.decode()[-500:]}")
+        problems = [f"job hung for {JOB_TIMEOUT} s"] if job.hung else []
+        if crash == "none" and not job.ok:
+            problems.append(f"uncrashed save failed: {job.stderr}")
         if crash != "none":
             stats.armed += 1
-        if not ok:
+        if not job.ok:
             stats.kills += 1
-        problems: list[str] = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             after = manager.tags()
             newest = manager.read_newest()
-        if newest is not None:
-            problem = _check_tag(manager, newest)
-            if problem:
-                problems.append(f"newest {problem}")
-        elif before:
-            problems.append(f"nothing loadable after the trial; before: {before}")
-        if tag in after:
-            if not ok:
-                stats.committed_despite_kill += 1
-            if tag != newest:
-                problem = _check_tag(manager, tag)
-                if problem:
-                    problems.append(problem)
-            kept = set((before + [tag])[-KEEP:])
-            if not kept <= set(after):
-                problems.append(f"retention deleted too much: before {before}, after {after}")
-        elif set(after) != set(before):
-            problems.append(f"tags changed without a commit: before {before}, after {after}")
-        if set(after) - set(before) - {tag}:
-            problems.append(f"unexpected tags {sorted(set(after) - set(before) - {tag})}")
-        if ok:
-            left = _leftovers(root)
-            if left:
-                problems.append(f"leftovers after a completed save: {left}")
-        for problem in problems:
-            stats.violations.append(f"trial {step} ({crash}): {problem}")
+        committed = tag in after
+        if committed and not job.ok:
+            stats.committed_despite_kill += 1
+        problems += _check_loads(manager, tag, before, after, newest, incremental)
+        problems += _check_tags(tag, before, after)
+        problems += _check_files(manager, Path(root), job.ok)
+        stats.violations.extend(f"trial {step} ({crash}): {problem}" for problem in problems)
+        _tally(stats, kind, killed=not job.ok, committed_despite_kill=committed and not job.ok,
+               violations=len(problems))
+        detail = ""
+        if incremental:
+            section = _incremental_section(Path(root), tag) if committed else {}
+            stats.referring_saves += bool(section.get("references"))
+            retired = _retired_dirs(Path(root))
+            stats.retired_seen += bool(retired)
+            detail = f" chain={section.get('chain')} retired={retired}"
         if log is not None:
-            log(f"trial {step:>4} {crash:<24} exit {job.returncode:>4} {elapsed:5.1f}s "
-                f"committed={tag in after} newest={newest} tags={after} "
+            log(f"trial {step:>4} {crash:<24} exit {job.returncode:>4} {job.seconds:5.1f}s "
+                f"committed={committed} newest={newest} tags={after}{detail} "
                 + ("OK" if not problems else "VIOLATION " + "; ".join(problems)))
     return stats

@@ -66,6 +66,8 @@ def read_items_for_columns(
     if saved.ndim != ndim:
         raise ValueError(f"{fqn!r}: local chunks have {ndim} dimensions, the saved chunks {saved.ndim}")
     count = len(local_chunks)
+    if count == 1 and len(saved) == 1:  # one chunk each (an unsharded load): no arrays needed
+        return _one_to_one(fqn, saved, local_chunks[0], ndim)
     local_offsets = np.array([tuple(c.offsets) for c in local_chunks], dtype=np.int64).reshape(count, ndim)
     local_ends = local_offsets + np.array([tuple(c.sizes) for c in local_chunks], dtype=np.int64).reshape(count, ndim)
     # Column by column: numpy reduces an (n, 2) array along its short axis
@@ -135,6 +137,30 @@ def read_items_for_columns(
                 )
             )
     return items
+
+
+def _one_to_one(fqn: str, saved: ChunkColumns, local: ChunkStorageMetadata, ndim: int) -> list[ReadItem]:
+    """:func:`read_items_for_columns` for one local and one saved chunk (the same items, built directly)."""
+    start, size = tuple(int(o) for o in local.offsets), tuple(int(n) for n in local.sizes)
+    offsets = tuple(int(o) for o in saved.offsets[0].tolist())
+    ends = tuple(int(o + n) for o, n in zip(offsets, saved.sizes[0].tolist()))
+    lengths = []
+    for d in range(ndim):
+        lo, hi = max(start[d], offsets[d]), min(start[d] + size[d], ends[d])
+        # Overlap as torch counts it: strict on both sides (a zero-size chunk inside the other counts).
+        if not (start[d] < ends[d] and offsets[d] < start[d] + size[d]):
+            return []
+        lengths.append(hi - lo)
+    return [
+        ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(fqn, local.offsets, 0),
+            dest_offsets=torch.Size(max(o - s, 0) for o, s in zip(offsets, start)),
+            storage_index=MetadataIndex(fqn, offsets, 0),
+            storage_offsets=torch.Size(max(s - o, 0) for o, s in zip(offsets, start)),
+            lengths=torch.Size(lengths),
+        )
+    ]
 
 
 @functools.cache

@@ -309,3 +309,31 @@ def test_key_totals_on_columns_equal_item_sums() -> None:
     damaged = _edit_table(document, "v", 2 * 1 + 4, -5)  # the first row's data_length
     with pytest.raises(CheckpointCorruptError, match="'v' has an impossible length"):
         decode_metadata(damaged, "doc").metadata.storage_data.totals()
+
+
+def test_one_local_and_one_saved_chunk_equal_torchs() -> None:
+    # The direct path for a key with one chunk each (unsharded loads): torch's items, on random 0-3-D boxes,
+    # zero-size ones included.
+    import random
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    from dcp_ext.metadata.chunk_columns import ChunkColumns
+    from dcp_ext.read_planning import read_items_for_columns
+
+    rng = random.Random(7)
+    found = 0
+    for _ in range(1500):
+        shape = [rng.randint(0, 6) for _ in range(rng.randint(0, 3))]
+
+        def box(shape: list[int]) -> ChunkStorageMetadata:
+            offsets = [rng.randint(0, s) for s in shape]
+            return ChunkStorageMetadata(torch.Size(offsets), torch.Size(rng.randint(0, s - o) for s, o in zip(shape, offsets)))
+
+        saved, local = [box(shape)], [box(shape)]
+        md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), saved)
+        expected = create_read_items_for_chunk_list("k", md, local)
+        assert read_items_for_columns("k", ChunkColumns.of(saved, len(shape)), local) == expected
+        found += len(expected)
+    assert found > 300  # overlapping pairs were drawn, not only disjoint ones

@@ -187,9 +187,15 @@ class ChunkLocations(Mapping[MetadataIndex, StoredItem]):
         if not found:
             return found
         wanted = np.array(sorted(found), dtype=np.int64)
+        every = len(wanted) >= len(self._files)  # all files: every row, no test needed
         for fqn, (_, _, items) in self._keys.items():
             column = items[0]
-            hits = np.flatnonzero(np.isin(column, wanted))
+            if every:
+                for row, file_id in enumerate(column.tolist()):
+                    found[file_id].append((fqn, row))
+                continue
+            # One file (a rank reading its own): an equality test costs a tenth of isin.
+            hits = np.flatnonzero(column == wanted[0] if len(wanted) == 1 else np.isin(column, wanted))
             for row, file_id in zip(hits.tolist(), column[hits].tolist()):
                 found[file_id].append((fqn, row))
         return found

@@ -8,25 +8,6 @@ from pathlib import Path
 from tests.support.crash_torture import run_trials
 
 
-def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path) -> None:
-    # Every crash point once, in an order that gives retention something to
-    # delete (keep 2) before it is killed mid-way, then a random-time kill of
-    # the whole job, then a clean save that must tidy up every leftover.
-    # (mid_data and before_newest run in the incremental test below, through the same code.)
-    crashes = [
-        "none", "1:before_data", "all:after_data", "0:before_metadata", "0:mid_retention", "all:random:0.05",
-        "none",
-    ]
-    lines: list[str] = []
-    stats = run_trials(tmp_path, 0, crashes=crashes, log=lines.append)
-    # The four crash points always fire; the random-time kill may come after
-    # a fast save already finished (the job then exits 0 and is checked too).
-    assert stats.trials == len(crashes) and stats.armed == 5 and stats.kills in (4, 5), "\n".join(lines)
-    assert stats.violations == [], "\n".join(lines)
-    # mid_retention kills after the commit: that tag exists.
-    assert stats.committed_despite_kill >= 1, "\n".join(lines)
-
-
 def test_killed_async_saves_keep_the_previous_newest(tmp_path: Path) -> None:
     # The same harness with async_save=True: the job mutates every parameter
     # right after staging_completion, and the kill lands in the background
@@ -39,21 +20,26 @@ def test_killed_async_saves_keep_the_previous_newest(tmp_path: Path) -> None:
     assert stats.committed_despite_kill >= 1, "\n".join(lines)  # before_newest: committed, newest not moved
 
 
-def test_killed_incremental_saves_keep_every_tag_and_what_it_refers_to(tmp_path: Path) -> None:
-    # incremental=True, max_chain=2, a model that changes little per step:
-    # step2 and step3 refer to step1's file; mid_retention dies retiring
-    # step1 (its files stay for step2 and step3), then kills in the data
-    # and metadata phases, a random-time kill, and a clean save that must
-    # remove every leftover but keep the retired files still referred to.
-    # Every kept tag must load bit-exact after every trial.
-    # (before_data and after_data run in the sync test above, through the same code.)
+def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path) -> None:
+    # Every crash point once, with incremental=True (the writer, commit and
+    # retention code of every save, plus references: max_chain=2 and a model
+    # that changes little per step, so step2 and step3 refer to step1's file),
+    # in an order that gives retention something to delete (keep 2):
+    # mid_retention dies retiring step1 (its files stay for step2 and step3);
+    # then kills in the data and metadata phases, a random-time kill of the
+    # whole job, and a clean save that must remove every leftover but keep
+    # the retired files still referred to. Every kept tag must load bit-exact
+    # after every trial. (Plain saves are crash-tested by the async test above
+    # and by bench.torture; the crash points are the same code.)
     crashes = [
-        "none", "0:before_newest", "0:mid_retention", "0:mid_data", "0:before_metadata", "all:random:0.05",
-        "none",
+        "none", "0:before_newest", "0:mid_retention", "1:before_data", "0:mid_data", "all:after_data",
+        "0:before_metadata", "all:random:0.05", "none",
     ]
     lines: list[str] = []
     stats = run_trials(tmp_path, 0, crashes=crashes, log=lines.append, mode="sync-incremental")
-    assert stats.trials == len(crashes) and stats.armed == 5 and stats.kills in (4, 5), "\n".join(lines)
+    # The six crash points always fire; the random-time kill may come after
+    # a fast save already finished (the job then exits 0 and is checked too).
+    assert stats.trials == len(crashes) and stats.armed == 7 and stats.kills in (6, 7), "\n".join(lines)
     assert stats.violations == [], "\n".join(lines)
     assert stats.committed_despite_kill >= 2, "\n".join(lines)  # before_newest, mid_retention
     # The harness really exercised references and retired directories.

@@ -13,7 +13,7 @@ import dcp_ext
 #: Frames small enough that the test model spans several per tensor.
 FRAME = 16 * 1024
 EMBED_ROWS, WIDTH = 2048, 64
-STEPS = 6
+STEPS = 5
 #: The step at which rows of the frozen embedding change (a partial change inside one tensor).
 EMBED_STEP = 3
 

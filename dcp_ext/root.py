@@ -248,14 +248,20 @@ class CheckpointRoot:
         return [t for t in self.partial_tags()
                 if self.partial_store(t).exists(RETIRED_FILE) and not self.partial_store(t).exists(METADATA_FILE)]
 
-    def sweep_retired(self, referenced: Collection[tuple[str, str]] | None = None) -> list[str]:
+    def sweep_retired(
+        self, referenced: Collection[tuple[str, str]] | None = None, retired: Collection[str] | None = None
+    ) -> list[str]:
         """Delete what no committed checkpoint refers to any more in retired
         directories (and the directories left empty).
+
+        Args:
+            referenced: As for :meth:`delete_partial` (default: read).
+            retired: The retired tags, if the caller has just found them (default: :meth:`retired_tags`).
 
         Returns:
             The tags whose retired directory was removed entirely.
         """
-        retired = self.retired_tags()
+        retired = self.retired_tags() if retired is None else list(retired)
         if not retired:
             return []
         if referenced is None:
@@ -303,12 +309,14 @@ class CheckpointRoot:
                 locked[tag] = state is not None and state.live
             return locked[tag]
 
-        uncommitted = []
+        uncommitted: list[str] = []
+        retired: list[str] = []
         for tag in self.partial_tags():
             if tag == current or self.partial_store(tag).exists(METADATA_FILE) or lock_live(tag):
                 continue  # being saved now, committed, or another job's save in flight
             if self.partial_store(tag).exists(RETIRED_FILE):
-                continue  # deleted, keeping files a committed checkpoint refers to (sweep_retired)
+                retired.append(tag)  # deleted, keeping files a committed checkpoint refers to: swept below
+                continue
             log.info("removing %s: a save that never committed", partial_dir(tag))
             self.delete_partial(tag)
             uncommitted.append(tag)
@@ -324,8 +332,8 @@ class CheckpointRoot:
             log.info("aborting incomplete upload of %s started %.0f s ago", upload.name, now - upload.initiated)
             self.store.abort_upload(upload)
             uploads.append(upload.name)
-        retired = self.sweep_retired()
-        return LeftoverReport(tuple(temp_files), tuple(uncommitted), tuple(uploads), tuple(retired))
+        removed = self.sweep_retired(retired=retired)  # the retired tags just found: no second look at each tag
+        return LeftoverReport(tuple(temp_files), tuple(uncommitted), tuple(uploads), tuple(removed))
 
 
 def _valid(tag: str) -> bool:

@@ -276,7 +276,10 @@ class CheckpointRoot:
     def apply_retention(self, policy: RetentionPolicy, protect: Collection[str] = (), *, dry_run: bool = False) -> list[str]:
         """Delete the committed checkpoints ``policy`` does not keep; never the
         ``newest`` target or a tag in ``protect``. Data files that a kept
-        (incremental) checkpoint refers to stay (see :meth:`delete_partial`).
+        (incremental) checkpoint refers to stay (see :meth:`delete_partial`);
+        older retired directories this frees are removed by
+        :meth:`remove_leftovers`, which every caller runs next (one sweep per
+        save, not two).
 
         Returns:
             The tags deleted (or that would be, with ``dry_run``), oldest first.
@@ -288,7 +291,6 @@ class CheckpointRoot:
             referenced = self.referenced_files(exclude=set(doomed))
             for tag in doomed:
                 self.delete_partial(tag, referenced)
-            self.sweep_retired(referenced)
         return doomed
 
     def remove_leftovers(self, current: str | None = None) -> LeftoverReport:

@@ -47,6 +47,17 @@ def _own_bytes(manager: dcp_ext.CheckpointManager, tag: str) -> int:
     return sum(store.size(n) for n in store.list_tree() if n.endswith(".distcp"))
 
 
+def _saved_twice(root: Path, first: str, second: str) -> tuple[dcp_ext.CheckpointManager, nn.Sequential]:
+    """An incremental manager at ``root`` that saved ``first``, then ``second`` after the head's bias changed."""
+    manager = dcp_ext.CheckpointManager(root, config=dcp_ext.IOConfig(frame_size=FRAME), incremental=True)
+    model = _model()
+    manager.save(first, model)
+    with torch.no_grad():
+        model[2].bias.add_(1)
+    manager.save(second, model)
+    return manager, model
+
+
 @pytest.mark.parametrize("kind,compression", [("local", None), ("memory", None), ("moto", "zstd")])
 def test_saves_write_only_changed_frames_and_every_tag_loads(
     kind: str, compression: str | None, request: pytest.FixtureRequest, tmp_path: Path
@@ -143,12 +154,7 @@ def test_retention_keeps_only_what_kept_tags_refer_to(tmp_path: Path) -> None:
 def test_ls_shows_own_and_referenced_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from dcp_ext.cli import main
 
-    manager = dcp_ext.CheckpointManager(tmp_path, config=dcp_ext.IOConfig(frame_size=FRAME), incremental=True)
-    model = _model()
-    manager.save("a", model)
-    with torch.no_grad():
-        model[2].bias.add_(1)
-    manager.save("b", model)
+    manager, model = _saved_twice(tmp_path, "a", "b")
     manager.delete("a")  # b refers to a's file: a's directory is retired, its data file stays
     assert (tmp_path / "a_partial" / RETIRED_FILE).exists() and not (tmp_path / "a_partial" / "dcp_ext.metadata.json").exists()
     fresh = _model(seed=3)
@@ -173,12 +179,7 @@ def test_ls_shows_own_and_referenced_bytes(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_damaged_or_missing_base_file_fails_from_the_newer_tag(tmp_path: Path) -> None:
-    manager = dcp_ext.CheckpointManager(tmp_path, config=dcp_ext.IOConfig(frame_size=FRAME), incremental=True)
-    model = _model()
-    manager.save("s0", model)
-    with torch.no_grad():
-        model[2].bias.add_(1)
-    manager.save("s1", model)
+    manager, _ = _saved_twice(tmp_path, "s0", "s1")
     base = tmp_path / "s0_partial" / "model_rank0.distcp"
     data = bytearray(base.read_bytes())
     data[FRAME + 7] ^= 0x40  # the embedding's second frame, which s1 refers to

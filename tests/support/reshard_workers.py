@@ -107,6 +107,13 @@ def save_world(rank: int, world_size: int, root: str) -> None:
             torch.save(ref, f"{root}/big4.ref.pt")
 
 
+
+def save_then_load_world(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """:func:`save_world`, then (every rank saved: barrier) :func:`load_world`, in one world."""
+    save_world(rank, world_size, root)
+    dist.barrier()
+    return load_world(rank, world_size, root)
+
 def load_case(root: str, source: str, kind: str, via: str) -> list[str]:
     """Load checkpoint ``source`` into a fresh ``kind`` model + Adam; return differences."""
     model = build(kind, 7)

@@ -17,8 +17,9 @@ FSDP2 (``fully_shard`` per block, then the root, over
   parameters and Adam's two moments of the trainable 5 %. Weights are seeded
   random fp32 (nothing repeats, nothing compresses).
 
-Systems: ``CheckpointManager(root, incremental=True, max_chain=8)`` (the
-feature's default chain) and ``CheckpointManager(root, incremental=False)``,
+Systems: ``CheckpointManager(root, incremental=True)`` (the feature's
+defaults: ``max_chain=32``, chains restarting early only when most bytes of
+the files they keep alive are unused) and ``CheckpointManager(root, incremental=False)``,
 both with ``retention=KeepLast(3)`` and default I/O settings (1 MiB frames,
 fsync on). A round builds the workload from its seeds (the same trajectory in
 every round), then ``--saves`` times (default 10): one training step
@@ -27,9 +28,8 @@ each system under the tag ``step{i}``, the first of the two alternating from
 save to save and from round to round. Each system's root is fresh in every
 round, so the first save of each is a full one (it has no base); medians are
 over saves 2..n. After the saves each system's newest tag, and the kept tag
-with the longest chain of references (with ``max_chain=8`` and 10 saves the
-10th save starts a new chain, so the newest incremental tag is
-self-contained; the 9th refers to files of 9 earlier saves), is resumed with
+with the longest chain of references (the same tag unless ``--max-chain``
+makes a save within the last three start a new chain), is resumed with
 ``CheckpointManager.resume`` into a fresh sharded model and optimizer (same
 structure, every value overwritten beforehand), alternating the order, and
 compared bit for bit with the state that was saved (untimed).
@@ -751,6 +751,8 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dcp_ext.incremental import DEFAULT_MAX_CHAIN
+
     parser = argparse.ArgumentParser(prog="python -m bench.incremental", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--workloads", default=None, help="comma-separated, of: minilm, synthetic "
@@ -761,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=None, help="synthetic block width (default 1024; --quick: 512)")
     parser.add_argument("--saves", type=int, default=None, help="saves per system and round (default 10; --quick: 4)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 1; --quick: 1)")
-    parser.add_argument("--max-chain", type=int, default=8, help="CheckpointManager(max_chain=...) of the "
+    parser.add_argument("--max-chain", type=int, default=DEFAULT_MAX_CHAIN, help="CheckpointManager(max_chain=...) of the "
                         "incremental system")
     parser.add_argument("--resume-repeats", type=int, default=3, help="resumes of each tag per system and round "
                         "(order alternating)")

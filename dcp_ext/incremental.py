@@ -42,17 +42,24 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from .config import IOConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
-from .metadata import METADATA_FILE, StoredItem, decode_metadata
+from .metadata import METADATA_FILE, IncrementalSection, StoredItem, decode_metadata
 from .metadata.chunk_table import ChunkLocations
 from .metadata.document import reference_name
 from .metadata.frame_index import attach_frame_indexes, frame_count
 from .read_planning import ChunkShapes
 from .storage import open_store
 
-__all__ = ["IncrementalSave", "BaseItem", "BaseFrames", "read_base", "HASH_BYTES", "MIN_REFERENCED_BYTES"]
+__all__ = [
+    "IncrementalSave", "BaseItem", "BaseFrames", "read_base", "restart_reason", "DEFAULT_MAX_CHAIN", "HASH_BYTES",
+    "MIN_REFERENCED_BYTES",
+]
 
 log = logging.getLogger("dcp_ext.incremental")
 
+#: ``max_chain`` unless the caller says otherwise: a bound on the earlier
+#: saves a checkpoint depends on. Storage is bounded by :func:`restart_reason`,
+#: so frozen weights are not rewritten every few saves for nothing.
+DEFAULT_MAX_CHAIN = 32
 #: Bytes of a frame's content hash (xxh3-128 of its raw bytes).
 HASH_BYTES = 16
 #: Items smaller than this (or than one frame, if frames are smaller) are
@@ -80,7 +87,7 @@ class IncrementalSave:
     base_url: str | None = None
     base_dir: str | None = None
     base_tag: str | None = None
-    max_chain: int = 8
+    max_chain: int = DEFAULT_MAX_CHAIN
     base_metadata: bytes | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -134,11 +141,15 @@ class BaseFrames:
             referred to and this save starts a chain).
         referable: Whether this save may refer to the base's frames
             (``chain + 1 <= max_chain``).
+        file_sizes: Size of every data file the base's frames are in (its
+            own and, where it recorded them, those it refers to), by
+            reference name: recorded with this save's references.
     """
 
     items: dict[tuple[str, tuple[int, ...] | None], BaseItem] = dataclasses.field(default_factory=dict)
     chain: int | None = None
     referable: bool = False
+    file_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def own_chain(self) -> int:
@@ -153,6 +164,29 @@ class BaseFrames:
         if found is None or found.raw_size < min(MIN_REFERENCED_BYTES, found.frame_size):
             return None
         return found
+
+
+def restart_reason(section: IncrementalSection | None) -> str | None:
+    """Why the save after the checkpoint with this ``incremental`` section
+    should start a new chain (write every frame) although ``max_chain``
+    allows another incremental save; ``None`` if it should not.
+
+    A chain keeps whole earlier data files alive while a kept checkpoint
+    refers to any frame in them, so as frames change their old copies become
+    dead weight. Once the files the base refers to hold more unused bytes
+    than used ones, writing the used bytes again (one self-contained save)
+    lets retention free more than it costs. Frozen weights never get there:
+    their frames stay used, and are not rewritten. Only files whose size
+    the base recorded count.
+    """
+    if section is None or not section.sizes:
+        return None
+    used = sum(section.references[name] for name in section.sizes)
+    unused = section.unused_bytes
+    if unused <= used:
+        return None
+    return (f"{unused / 2**20:.1f} MiB of the earlier files it refers to are no longer used "
+            f"(more than the {used / 2**20:.1f} MiB in use)")
 
 
 def _key(item: WriteItem) -> tuple[str, tuple[int, ...] | None]:
@@ -246,4 +280,6 @@ def _read_base(
             full.frame_size, full.transforms, full.raw_size, full.frame_hashes, full.checksums, lengths,
             full.frame_offsets, tuple(s or own for s in (full.frame_sources or ("",) * count)),
         )
-    return BaseFrames(out, section.chain, True)
+    sizes = {reference_name(save.base_dir, name): size for name, size in decoded.files.items()}
+    sizes.update(section.sizes)
+    return BaseFrames(out, section.chain, True, sizes)

@@ -61,7 +61,7 @@ from .errors import (
     StorageFullError,
 )
 from .full import save_full
-from .incremental import IncrementalSave
+from .incremental import DEFAULT_MAX_CHAIN, IncrementalSave, restart_reason
 from .layout import (
     PARTITION_FILE,
     USER_CONTENT_FILE,
@@ -72,7 +72,7 @@ from .layout import (
     user_content_name,
     validate_tag,
 )
-from .metadata import METADATA_FILE
+from .metadata import METADATA_FILE, read_incremental_section
 from .nodes import NodeMap
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
 from .pretrained import load_pretrained
@@ -169,7 +169,12 @@ class CheckpointManager:
             with ``local_tier``.
         max_chain: With ``incremental``: after this many incremental saves
             in a row, a save writes every frame again (so a checkpoint
-            needs the files of at most ``max_chain + 1`` saves).
+            needs the files of at most ``max_chain + 1`` saves). A save also
+            starts a new chain earlier when most bytes of the earlier files
+            its base refers to are no longer used
+            (:func:`~dcp_ext.incremental.restart_reason`), so frozen weights
+            are not rewritten for nothing and drifting ones are not kept
+            alive in files mostly dead.
 
     Attributes:
         checkpoints: The :class:`~dcp_ext.root.CheckpointRoot` (tags, ``newest``, deletion).
@@ -195,7 +200,7 @@ class CheckpointManager:
         replicas: int = 0,
         local_tier_bytes: int | None = None,
         incremental: bool = False,
-        max_chain: int = 8,
+        max_chain: int = DEFAULT_MAX_CHAIN,
     ) -> None:
         if async_uploads not in ("thread", "process"):
             raise ValueError(f"async_uploads must be 'thread' or 'process', got {async_uploads!r}")
@@ -452,10 +457,16 @@ class CheckpointManager:
         base = self.checkpoints.newest_record()
         if base is None:
             return None, None
+        store = self.checkpoints.partial_store(base)
         try:
-            return base, self.checkpoints.partial_store(base).read_file(METADATA_FILE)
+            document = store.read_file(METADATA_FILE)
+            reason = restart_reason(read_incremental_section(document, store.describe(METADATA_FILE)))
         except DcpExtError:
             return base, None
+        if reason is not None:
+            log.info("incremental save: starting a new chain rather than building on %s: %s", base, reason)
+            return None, None
+        return base, document
 
     def _background_group(self) -> Any:
         """(all ranks; collective the first time) The group for collectives

@@ -426,6 +426,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             "base": self.incremental.base_tag if base.referable else None,
             "chain": chain,
             "references": [[name, nbytes] for name, nbytes in sorted(references.items())],
+            "sizes": [[name, base.file_sizes[name]] for name in sorted(references) if name in base.file_sizes],
         }
 
     def _remove_leftovers(self, keep: set[str]) -> None:

@@ -313,7 +313,33 @@ def test_a_damaged_base_does_not_stop_saves(tmp_path: Path, caplog: pytest.LogCa
     with caplog.at_level("WARNING", logger="dcp_ext.incremental"):
         manager.save("b", model)  # writes every frame instead of building on a damaged base
     assert "its base" in caplog.text and "damaged" in caplog.text
-    assert _document(manager, "b")["incremental"] == {"base": None, "chain": 0, "references": []}
+    assert _document(manager, "b")["incremental"] == {"base": None, "chain": 0, "references": [], "sizes": []}
     fresh = _model(seed=2)
     manager.resume(fresh, tag="b")
     assert state_diff(_state(model), fresh.state_dict()) == []
+
+
+def test_a_chain_restarts_when_the_files_it_keeps_are_mostly_unused(tmp_path: Path) -> None:
+    """With the default max_chain a frozen majority is never written again;
+    a frozen quarter that keeps three dead quarters alive is (the chain
+    restarts as soon as its base's referenced files hold more unused bytes
+    than used ones). Each tensor is 256 KiB (4 frames); the rest changes every save."""
+    config = dcp_ext.IOConfig(frame_size=64 * 1024)
+    for frozen, expected in ((3, [0, 1, 2, 3, 4, 5]), (1, [0, 1, 0, 1, 0, 1])):
+        model = nn.ParameterList([nn.Parameter(torch.randn(256, 256)) for _ in range(4)])
+        manager = dcp_ext.CheckpointManager(tmp_path / f"frozen{frozen}", config=config, incremental=True)
+        for step in range(6):
+            with torch.no_grad():
+                for param in list(model)[frozen:]:
+                    param.add_(1)
+            manager.save(f"s{step}", model)
+        sections = [_document(manager, f"s{s}")["incremental"] for s in range(6)]
+        assert [s["chain"] for s in sections] == expected, sections
+        # Every reference records its file's size: what the next save decides on.
+        for section in sections:
+            assert [name for name, _ in section["sizes"]] == [name for name, _ in section["references"]], section
+        used, size = sections[1]["references"][0][1], sections[1]["sizes"][0][1]
+        assert used == frozen * 256 * 1024 and size > 4 * 256 * 1024, sections[1]  # s0's whole file
+        fresh = nn.ParameterList([nn.Parameter(torch.zeros(256, 256)) for _ in range(4)])
+        dcp_ext.resume_from_checkpoint(manager.checkpoints.url, fresh)
+        assert all(torch.equal(a, b) for a, b in zip(fresh, model))

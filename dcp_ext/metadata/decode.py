@@ -93,15 +93,25 @@ class IncrementalSection:
         references: Each earlier checkpoint's data file some frames are stored
             in (a :func:`~dcp_ext.metadata.document.reference_name`), with the
             stored bytes referred to.
+        sizes: The size of those files, where the save knew it (documents
+            written before sizes were recorded have none).
     """
 
     base: str | None
     chain: int
     references: dict[str, int]
+    sizes: dict[str, int] = field(default_factory=dict)
 
     @property
     def referenced_bytes(self) -> int:
         return sum(self.references.values())
+
+    @property
+    def unused_bytes(self) -> int:
+        """Bytes of the referenced files (those of known size) that no frame
+        of this checkpoint uses: what retention could free once no kept
+        checkpoint refers to those files."""
+        return sum(max(0, size - self.references[name]) for name, size in self.sizes.items() if name in self.references)
 
 
 def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
@@ -336,7 +346,12 @@ def _incremental_section(section: Any, where: str) -> IncrementalSection:
             raise CheckpointCorruptError(f"{where}: malformed incremental reference {entry!r}", where)
         split_reference(entry[0], where)
         references[entry[0]] = _nonneg(entry[1], f"bytes referenced in {entry[0]!r}", where)
-    return IncrementalSection(base, chain, references)
+    sizes: dict[str, int] = {}
+    for entry in section.get("sizes", []):
+        if not isinstance(entry, list) or len(entry) != 2 or entry[0] not in references:
+            raise CheckpointCorruptError(f"{where}: malformed referenced file size {entry!r}", where)
+        sizes[entry[0]] = _nonneg(entry[1], f"size of {entry[0]!r}", where)
+    return IncrementalSection(base, chain, references, sizes)
 
 
 def _decode_frames(record: dict[str, Any], base: StoredItem, fqn: str, where: str) -> StoredItem:

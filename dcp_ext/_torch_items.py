@@ -7,8 +7,16 @@ stream extensions (``ZStandard``: one zstd stream per item), and the item's
 ``_StorageInfo.transform_descriptors`` names them (``"stream.zstd/1"``).
 Decoding rebuilds the chain from those descriptors with an
 ``ExtensionRegistry`` (torch's default one knows ``ZStandard``; callers
-register their own extensions), applied in the order torch's
-``FileSystemReader`` applies them, so whatever torch's reader loads, this does.
+register their own extensions).
+
+Order: torch's writer records the descriptors in the order their transforms
+reached the data (``_StorageWriterTransforms`` wraps the file stream with
+each extension in turn and records them reversed), so the last one listed
+was applied last and is undone first. Torch's ``FileSystemReader`` (2.13)
+wraps the stream in the listed order instead, which undoes a chain of two
+extensions in the wrong order: only single-extension items round-trip
+through it. Decoding here undoes the listed extensions last to first, which
+is the same for one extension and right for chains torch's writer wrote.
 
 A stream item is read whole (its compressed bytes cannot be read from the
 middle) and decoded into at most ``limit`` bytes, so a hostile stream cannot
@@ -37,7 +45,8 @@ _READ_STEP = 1 << 22
 
 
 def stream_extensions(registry: Any, descriptors: Sequence[str], where: str, fqn: str) -> list[Any]:
-    """The stream extensions that decode an item, in the order torch applies them.
+    """The stream extensions that decode an item, in the order they are undone
+    (the reverse of ``descriptors``).
 
     Args:
         registry: A torch ``ExtensionRegistry``; ``None``: torch's default one
@@ -75,7 +84,7 @@ def stream_extensions(registry: Any, descriptors: Sequence[str], where: str, fqn
         # torch's reader skips extensions that do not transform the stream
         if isinstance(extension, StreamTransformExtension):
             extensions.append(extension)
-    return extensions
+    return extensions[::-1]
 
 
 def decode_item(
@@ -86,7 +95,8 @@ def decode_item(
     fqn: str,
     descriptors: Sequence[str],
 ) -> bytes:
-    """The item's bytes once its stream extensions are undone.
+    """The item's bytes once its stream extensions are undone, first to last
+    of ``extensions`` (as :func:`stream_extensions` orders them).
 
     Raises:
         CheckpointCorruptError: The stream does not decode, or decodes to

@@ -7,10 +7,14 @@ together, splits large ones, and fetches them in parallel. Where the stored
 bytes and the destination tensor line up (same dtype, contiguous CPU memory),
 data lands directly in the destination with no intermediate copy.
 
-Checkpoints written by torch's own ``FileSystemWriter``/``FsspecWriter`` are
-read too: their metadata through a restricted unpickler, each item read whole,
-its stream extensions (``ZStandard``, or any in the caller's
-``ExtensionRegistry``) undone, and decoded with ``torch.load(weights_only=True)``.
+A folder of safetensors files without DCP metadata (torch's
+``HuggingFaceStorageWriter`` output, sharded or not, or a Hugging Face model
+folder) is read from its files' headers (:mod:`dcp_ext.hf_folder`) with the
+same ranged reads. Checkpoints written by torch's own
+``FileSystemWriter``/``FsspecWriter`` are read too: their metadata through a
+restricted unpickler, each item read whole, its stream extensions
+(``ZStandard``, or any in the caller's ``ExtensionRegistry``) undone, and
+decoded with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from ._torch_format import tensor_bytes
 from ._torch_items import ARCHIVE_SLACK, decode_item, load_tensor, stream_extensions
 from .config import IOConfig, usable_cores
 from .frames import FrameReader, FrameStats, FrameTable, FrameWork, frame_table
+from .hf_folder import read_safetensors_folder, safetensors_files
 from .layout import NEWEST_FILE, PARTIAL_SUFFIX
 from .read_once import GroupSeen, RankExchange, Receive, Send, plan_read_once
 from .read_planning import ChunkShapes
@@ -152,7 +157,11 @@ class CheckpointReader(StorageReader):
 
     Compressed checkpoints need no setting: each item's metadata names its
     codec, and only the frames covering the requested bytes are read and
-    decompressed, in parallel threads.
+    decompressed, in parallel threads. Nor do safetensors folders written by
+    torch's ``HuggingFaceStorageWriter`` (any of its modes) or Hugging Face:
+    a folder without DCP metadata but with ``model.safetensors.index.json`` or
+    ``*.safetensors`` files is described by their headers
+    (:mod:`dcp_ext.hf_folder`) and read with the same ranged reads.
 
     Attributes:
         stats: Bytes and requests this reader's store has read (for tests and
@@ -313,7 +322,12 @@ class CheckpointReader(StorageReader):
         try:
             raw = store.read_file(TORCH_METADATA_FILE)
         except CheckpointNotFoundError:
-            raise self.missing_metadata_error() from None
+            # No DCP metadata: torch's HuggingFaceStorageWriter output (or any
+            # Hugging Face folder) is described by its safetensors headers.
+            names = store.list_names() if store.root_exists() else []
+            if safetensors_files(names) is None:
+                raise self.missing_metadata_error() from None
+            return read_safetensors_folder(store, names, self.config.max_concurrency)
         metadata = load_torch_metadata(raw, store.describe(TORCH_METADATA_FILE))
         where = store.describe(TORCH_METADATA_FILE)
         if not isinstance(metadata.storage_data, dict):

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -218,10 +219,28 @@ def test_hf_folder_rank0_save_loads(tmp_path: Path) -> None:
     dcp.load(part, storage_reader=reader, planner=dcp_ext.LayoutLoadPlanner(keys=("head.bias",)))
     assert torch.equal(part["head.bias"], state["head.bias"])
     assert reader.store.stats.snapshot().bytes_read < 2 * 64 * 1024 + 56  # two header reads + 7 int64
+    # An index that puts a key in the wrong file: refused, naming key and file.
+    index_file = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"]["head.bias"] = "model-00001-of-00002.safetensors"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(dcp_ext.CheckpointCorruptError, match=r"'head.bias' in .*model-00001-of-00002.safetensors"):
+        dcp_ext.load(loaded, tmp_path / "hf")
     # Without its index, the numbered files are a save that has not finished.
-    (tmp_path / "hf" / "model.safetensors.index.json").unlink()
+    index_file.unlink()
     with pytest.raises(dcp_ext.CheckpointIncompleteError, match="no model.safetensors.index.json"):
         dcp_ext.load(loaded, tmp_path / "hf")
+
+
+def test_hf_consolidated_save_loads_from_both_folders(tmp_path: Path) -> None:
+    # torch's consolidation handles floating-point tensors only.
+    state = {k: v for k, v in hf_state().items() if v.is_floating_point()}
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(
+        str(tmp_path), save_distributed=True, enable_consolidation=True))
+    for folder in (tmp_path, tmp_path / "sharded"):
+        loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp_ext.load(loaded, folder)
+        assert_same_state(state, loaded)
 
 
 def test_hf_distributed_save_resharded_both_ways(tmp_path: Path) -> None:

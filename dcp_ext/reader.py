@@ -191,6 +191,10 @@ class CheckpointReader(StorageReader):
         extension_registry: ExtensionRegistry | None = None,
     ) -> None:
         super().__init__()
+        if extension_registry is not None and not callable(getattr(extension_registry, "from_descriptor_list", None)):
+            raise TypeError(
+                f"extension_registry must be a torch ExtensionRegistry, got {type(extension_registry).__name__}"
+            )
         self.extension_registry = extension_registry
         self.read_once = read_once
         self.shared_memory = shared_memory

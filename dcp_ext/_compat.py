@@ -35,8 +35,19 @@ from torch.distributed.checkpoint._traverse import set_element
 # latest (torch's own format_utils imports it there).
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_items
 
+# Torch's stream extensions (ZStandard, and any a user registers): decoding the
+# items FileSystemWriter(_extensions=[...]) wrote. Since torch 2.7 (PR 143358);
+# ``None`` before, where no writer could produce such items.
+try:
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+except ImportError:  # torch 2.6
+    ExtensionRegistry = None  # type: ignore[assignment,misc]
+    StreamTransformExtension = None  # type: ignore[assignment,misc]
+
 __all__ = [
+    "ExtensionRegistry",
     "FLATTEN_MAPPING",
+    "StreamTransformExtension",
     "_StorageInfo",
     "_create_chunk_list",
     "_create_read_items",

@@ -78,7 +78,11 @@ class CheckpointIncompleteError(NotACheckpointError):
 
 
 class CheckpointExistsError(DcpExtError, FileExistsError):
-    """A committed checkpoint already exists at the path and ``overwrite=False``."""
+    """A committed checkpoint already exists at the path and ``overwrite=False``.
+
+    Its message starts with torch's wording, ``Checkpoint already exists``
+    (what PyTorch's own tests match for an overwrite refusal).
+    """
 
 
 class CheckpointInProgressError(DcpExtError, FileExistsError):

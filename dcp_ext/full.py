@@ -200,7 +200,7 @@ def save_full(
     def refuse_existing() -> None:
         if not overwrite and store.exists(name):
             raise CheckpointExistsError(
-                f"a full checkpoint {store.describe(name)} exists; pass overwrite=True", store.describe(name)
+                f"Checkpoint already exists: the full checkpoint {store.describe(name)}; pass overwrite=True", store.describe(name)
             )
 
     group.run_on_coordinator(refuse_existing)

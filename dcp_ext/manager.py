@@ -867,7 +867,7 @@ class CheckpointManager:
             target_store = open_store(parent, self.config, self.storage_options)
         if target_store.exists(target_name) and not overwrite:
             raise CheckpointExistsError(
-                f"{target_store.describe(target_name)} exists; pass overwrite=True", target_store.describe(target_name)
+                f"Checkpoint already exists at {target_store.describe(target_name)}; pass overwrite=True", target_store.describe(target_name)
             )
         export_partial(self.checkpoints.partial_url(tag), target_store, target_name, full_format=full_format,
                        include_optimizer=include_optimizer, storage_options=self.storage_options,

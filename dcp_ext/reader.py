@@ -7,9 +7,14 @@ together, splits large ones, and fetches them in parallel. Where the stored
 bytes and the destination tensor line up (same dtype, contiguous CPU memory),
 data lands directly in the destination with no intermediate copy.
 
-Checkpoints written by torch's own ``FileSystemWriter``/``FsspecWriter`` are
-read too: their metadata through a restricted unpickler, each item read whole
-and decoded with ``torch.load(weights_only=True)``.
+A folder of safetensors files without DCP metadata (torch's
+``HuggingFaceStorageWriter`` output, sharded or not, or a Hugging Face model
+folder) is read from its files' headers (:mod:`dcp_ext.hf_folder`) with the
+same ranged reads. Checkpoints written by torch's own
+``FileSystemWriter``/``FsspecWriter`` are read too: their metadata through a
+restricted unpickler, each item read whole, its stream extensions
+(``ZStandard``, or any in the caller's ``ExtensionRegistry``) undone, and
+decoded with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -54,8 +59,10 @@ from ._gc import gc_paused
 from ._memory import release_free_memory
 from ._ranges import Piece, ReadRequest, box_runs, plan_requests, run_starts
 from ._torch_format import tensor_bytes
+from ._torch_items import ARCHIVE_SLACK, decode_item, load_tensor, stream_extensions
 from .config import IOConfig, usable_cores
 from .frames import FrameReader, FrameStats, FrameTable, FrameWork, frame_table
+from .hf_folder import read_safetensors_folder, safetensors_files
 from .layout import NEWEST_FILE, PARTIAL_SUFFIX
 from .read_once import GroupSeen, RankExchange, Receive, Send, plan_read_once
 from .read_planning import ChunkShapes
@@ -67,6 +74,9 @@ from .errors import (
     NotACheckpointError,
 )
 from .storage import TMP_MARK, Store, join_path, normalize_path, open_store
+
+if TYPE_CHECKING:
+    from ._compat import ExtensionRegistry
 
 __all__ = ["CheckpointReader"]
 
@@ -139,10 +149,19 @@ class CheckpointReader(StorageReader):
         shared_memory: Ranks on the same host exchange read-once data
             through shared-memory files in ``/dev/shm`` (one copy in, one
             copy out) instead of over the process group (default on).
+        extension_registry: For checkpoints written by torch's
+            ``FileSystemWriter(_extensions=[...])``: a torch
+            ``ExtensionRegistry`` that knows their stream extensions (as
+            torch's ``FileSystemReader(_extension_registry=...)``).
+            ``None``: torch's default registry, which knows ``ZStandard``.
 
     Compressed checkpoints need no setting: each item's metadata names its
     codec, and only the frames covering the requested bytes are read and
-    decompressed, in parallel threads.
+    decompressed, in parallel threads. Nor do safetensors folders written by
+    torch's ``HuggingFaceStorageWriter`` (any of its modes) or Hugging Face:
+    a folder without DCP metadata but with ``model.safetensors.index.json`` or
+    ``*.safetensors`` files is described by their headers
+    (:mod:`dcp_ext.hf_folder`) and read with the same ranged reads.
 
     Attributes:
         stats: Bytes and requests this reader's store has read (for tests and
@@ -169,8 +188,14 @@ class CheckpointReader(StorageReader):
         process_group: Any = None,
         exchange_timeout: float = 600.0,
         shared_memory: bool = True,
+        extension_registry: ExtensionRegistry | None = None,
     ) -> None:
         super().__init__()
+        if extension_registry is not None and not callable(getattr(extension_registry, "from_descriptor_list", None)):
+            raise TypeError(
+                f"extension_registry must be a torch ExtensionRegistry, got {type(extension_registry).__name__}"
+            )
+        self.extension_registry = extension_registry
         self.read_once = read_once
         self.shared_memory = shared_memory
         self.process_group = process_group
@@ -301,7 +326,12 @@ class CheckpointReader(StorageReader):
         try:
             raw = store.read_file(TORCH_METADATA_FILE)
         except CheckpointNotFoundError:
-            raise self.missing_metadata_error() from None
+            # No DCP metadata: torch's HuggingFaceStorageWriter output (or any
+            # Hugging Face folder) is described by its safetensors headers.
+            names = store.list_names() if store.root_exists() else []
+            if safetensors_files(names) is None:
+                raise self.missing_metadata_error() from None
+            return read_safetensors_folder(store, names, self.config.max_concurrency)
         metadata = load_torch_metadata(raw, store.describe(TORCH_METADATA_FILE))
         where = store.describe(TORCH_METADATA_FILE)
         if not isinstance(metadata.storage_data, dict):
@@ -787,34 +817,33 @@ class CheckpointReader(StorageReader):
         return _Pending(pieces, scratch_bytes + frame_scratch, finish)
 
     def _prepare_torch_item(self, read_item: ReadItem, info: _StorageInfo, planner: LoadPlanner) -> _Pending:
-        """An item written by torch's own writers: read it whole and decode it."""
-        if getattr(info, "transform_descriptors", None):
-            raise NotImplementedError(
-                f"{self.store.describe(info.relative_path)} was written with torch stream "
-                f"extensions {list(info.transform_descriptors or [])}; load it with "
-                f"torch's FileSystemReader"
-            )
+        """An item written by torch's own writers: read it whole and decode it
+        (undoing its stream extensions first, if it has any)."""
+        fqn = read_item.storage_index.fqn
+        where = self.store.describe(info.relative_path)
+        descriptors = tuple(getattr(info, "transform_descriptors", None) or ())
+        # Resolved before any byte is read: an unknown extension fails fast.
+        extensions = stream_extensions(self.extension_registry, descriptors, where, fqn) if descriptors else []
+        span = (info.offset, info.offset + info.length)
         buffer = bytearray(info.length)
         piece = Piece(info.relative_path, info.offset, memoryview(buffer))
 
+        def decoded(limit: int) -> bytes | bytearray:
+            if not descriptors:
+                return buffer
+            return decode_item(buffer, extensions, limit, where, fqn, descriptors)
+
         def finish() -> None:
             if read_item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(read_item, io.BytesIO(buffer))
+                planner.load_bytes(read_item, io.BytesIO(decoded(_MAX_BYTES_ITEM)))
                 return
-            try:
-                tensor = torch.load(io.BytesIO(buffer), map_location="cpu", weights_only=True)
-            except Exception as err:
-                where = self.store.describe(info.relative_path)
-                raise CheckpointCorruptError(
-                    f"{where}: bytes [{info.offset}, {info.offset + info.length}) holding "
-                    f"{read_item.storage_index.fqn!r} are not a valid torch.save archive ({err})",
-                    where,
-                ) from err
+            dtype, sizes = self._chunk(read_item)
+            tensor = load_tensor(decoded(_numel(sizes) * dtype.itemsize + ARCHIVE_SLACK), where, span, fqn)
             tensor = narrow_tensor_by_index(tensor, read_item.storage_offsets, read_item.lengths)
             target = planner.resolve_tensor(read_item).detach()
             if target.shape != tensor.shape:
                 raise ValueError(
-                    f"cannot load {read_item.storage_index.fqn!r}: destination slice has "
+                    f"cannot load {fqn!r}: destination slice has "
                     f"shape {tuple(target.shape)}, checkpoint slice {tuple(tensor.shape)}"
                 )
             target.copy_(tensor)

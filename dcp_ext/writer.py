@@ -276,7 +276,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         existing = [n for n in (METADATA_FILE, TORCH_METADATA_FILE) if store.exists(n)]
         if existing and not self.overwrite:
             raise CheckpointExistsError(
-                f"a checkpoint already exists at {store.url}; pass overwrite=True "
+                f"Checkpoint already exists at {store.url}; pass overwrite=True "
                 f"(to CheckpointWriter, dcp_ext.save or save_checkpoint) to replace it, or save to a new path",
                 store.url,
             )

@@ -5,6 +5,14 @@ torch's readers load uncompressed dcp_ext checkpoints. Checkpoints written by
 torch have only the pickle; :func:`load_torch_metadata` reads it with an
 unpickler that admits DCP's metadata classes and nothing else, so loading
 never runs code from the file.
+
+Checkpoints of older DCP releases name ``TensorProperties`` (and its
+memory-format enum) under ``torch.distributed._shard.sharded_tensor.metadata``,
+where DCP's metadata took them from before it had its own (PyTorch's
+``test_compatibility.py::test_sharded_tensor_dependency`` keeps such
+checkpoints loading). Those two names are read as today's DCP classes, which
+hold the same fields and pickle the same state: nothing is imported from the
+legacy module.
 """
 
 from __future__ import annotations
@@ -68,6 +76,13 @@ _ALLOWED_GLOBALS = {
     ("builtins", "frozenset"),
 }
 
+# Legacy names of plain data classes, read as the DCP class with the same
+# fields and pickled state (never imported from where the pickle says).
+_LEGACY_GLOBALS = {
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): "TensorProperties",
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): "_MEM_FORMAT_ENCODING",
+}
+
 
 class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, where: str) -> None:
@@ -77,6 +92,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
+        current = _LEGACY_GLOBALS.get((module, name))
+        if current is not None:
+            return super().find_class("torch.distributed.checkpoint.metadata", current)
         if module == "torch":
             value = getattr(torch, name, None)
             if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):

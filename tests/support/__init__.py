@@ -10,8 +10,9 @@ One job each:
 * ``backends``: the storage backends the ``backend`` fixtures hand to tests.
 * ``fault_proxy``: a fault-injecting HTTP proxy in front of an S3 server.
 * ``dist``: ``run_world``, a function on every rank of a spawned gloo world.
-* ``dist_workers``, ``api_workers``, ``reshard_workers``: rank code of the
-  multi-rank tests (importable by name, as spawned ranks need).
+* ``dist_workers``, ``api_workers``, ``reshard_workers``,
+  ``torch_format_workers``: rank code of the multi-rank tests (importable by
+  name, as spawned ranks need).
 * ``crash_job`` / ``crash_torture``: killed 2-rank saves and their checks.
 * ``damage_trials``: damaged checkpoint roots and their checks (``flip_byte``).
 * ``resource_job``: repeated saves in a fresh interpreter, measured.

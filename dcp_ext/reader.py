@@ -85,6 +85,8 @@ __all__ = ["CheckpointReader"]
 _MAX_BYTES_ITEM = 1 << 30
 # Above this many runs per slice, read the covering span instead.
 _MAX_RUNS = 4096
+#: Checkpoint directories an incremental load reads from at once.
+_REFERENCED_DIRS_AT_ONCE = 4
 
 
 @dataclass
@@ -633,21 +635,36 @@ class CheckpointReader(StorageReader):
                 groups.setdefault(directory, []).append(dataclasses.replace(request, name=file))
             else:
                 groups.setdefault("", []).append(request)
-        for directory, group in groups.items():
-            if not directory:
-                store.read(group)
-                continue
-            sibling = self.sibling_store(directory)
-            try:
-                sibling.read(group)
-            except CheckpointNotFoundError as err:
-                where = err.path or sibling.url
-                raise CheckpointCorruptError(
-                    f"{where} is missing, and checkpoint {self.path} needs it: it was saved incrementally and "
-                    f"refers to frames stored in that file of the earlier checkpoint {directory!r}. "
-                    f"Restore the file, or load a checkpoint that does not refer to it",
-                    where,
-                ) from err
+        if len(groups) == 1:
+            self._read_group(*next(iter(groups.items())))
+            return
+        # The groups at once (each store reads its files in parallel too): one
+        # after the other, a load of a frozen base plus a few changed frames
+        # would read the base's big file alone, on one stream.
+        for directory in groups:
+            if directory:
+                self.sibling_store(directory)  # opened here, not by racing threads
+        with ThreadPoolExecutor(min(len(groups), _REFERENCED_DIRS_AT_ONCE), thread_name_prefix="dcp_ext-refs") as pool:
+            for future in [pool.submit(self._read_group, d, g) for d, g in groups.items()]:
+                future.result()
+
+    def _read_group(self, directory: str, group: list[ReadRequest]) -> None:
+        """Read ``group`` from this checkpoint's store (``directory == ""``) or
+        from the sibling checkpoint ``directory`` it refers to."""
+        if not directory:
+            self.store.read(group)
+            return
+        sibling = self.sibling_store(directory)
+        try:
+            sibling.read(group)
+        except CheckpointNotFoundError as err:
+            where = err.path or sibling.url
+            raise CheckpointCorruptError(
+                f"{where} is missing, and checkpoint {self.path} needs it: it was saved incrementally and "
+                f"refers to frames stored in that file of the earlier checkpoint {directory!r}. "
+                f"Restore the file, or load a checkpoint that does not refer to it",
+                where,
+            ) from err
 
     def _attach_frame_indexes(self, read_items: Sequence[ReadItem]) -> None:
         """Read the frame indexes of the files these items are in (version-3

@@ -36,7 +36,7 @@ from .errors import (
     unwrap_checkpoint_exception,
 )
 from .hf_export import HFExportReport, export_hf, save_hf
-from .integrity import Problem, VerifyReport, verify
+from .integrity import Problem, VerifyReport, verify, verify_full
 from .layout import InvalidTagError, MeshInfo, Partition, RankPartition, TagInfo
 from .manager import CheckpointManager, ResumeResult, close_checkpoints, resume_from_checkpoint, save_checkpoint
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
@@ -84,6 +84,7 @@ __all__ = [
     "TagInfo",
     "UnsafeUserContentError",
     "verify",
+    "verify_full",
     "compact",
     "CompactReport",
     "VerifyReport",

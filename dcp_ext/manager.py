@@ -404,7 +404,7 @@ class CheckpointManager:
                 raise ValueError("a full checkpoint needs the model")
             state = _full_state(model, optimizer if include_optimizer else None)
             save_full(self.group, self.checkpoints.store, tag, state, fmt=full_format, user_content=encoded,
-                      overwrite=overwrite)
+                      overwrite=overwrite, frame_size=self.config.frame_size)
             return None
         if self.local is not None:
             return self._save_tiered(tag, model, optimizer, encoded, policy, async_save, overwrite, persist)

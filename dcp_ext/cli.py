@@ -18,6 +18,7 @@ import sys
 import traceback
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import demo
@@ -27,6 +28,7 @@ from ._safetensors import MAX_HEADER, parse_header
 from .config import IOConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
 from .full import CREATED_KEY
+from .hf_layout import HF_INDEX_FILE
 from .integrity import read_own_metadata, verify, verify_full
 from .layout import PARTIAL_SUFFIX
 from .pretrained import HF_MARKERS
@@ -122,6 +124,18 @@ def _full_checkpoint_entry(store: Store, name: str) -> dict[str, Any] | None:
         return None
     created = header.metadata.get(CREATED_KEY)
     return entry | {"format": "safetensors", "created": float(created) if created else None}
+
+
+def _hf_folder_entry(root: CheckpointRoot, tag: str) -> dict[str, Any]:
+    """The ``ls`` entry of the Hugging Face folder ``ROOT/{tag}/`` (its index exists)."""
+    store = root.hf_store(tag)
+    entry: dict[str, Any] = {"tag": tag, "state": "full", "format": "hf", "newest": False, "stored_bytes": None,
+                             "ratio": 1.0, "world_size": None, "mesh": None, "created": store.modified(HF_INDEX_FILE)}
+    try:
+        files = sorted(set(json.loads(store.read_file(HF_INDEX_FILE))["weight_map"].values()))
+        return entry | {"stored_bytes": sum(store.size(f) for f in files)}
+    except (DcpExtError, ValueError, KeyError, TypeError, AttributeError):
+        return entry | {"state": "damaged"}
 
 
 def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +266,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                             "stored_bytes": None, "ratio": None, "world_size": None, "mesh": None, "created": None,
                             "tiers": [label for label, tags in tiers if tag in tags]})
     entries += [e for name in root.full_candidates() if (e := _full_checkpoint_entry(store, name))]
+    entries += [_hf_folder_entry(root, tag) for tag in root.hf_folders()]
     if args.json:
         print(json.dumps({"root": store.describe(), "newest": newest, "checkpoints": entries}, indent=1))
         return 0
@@ -337,14 +352,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = normalize_path(args.out)
     if "/" not in out:
         out = "./" + out
+    hf: dict[str, Any] = {}
+    if args.format == "hf":
+        hf = {"max_shard_size": args.max_shard_size, "dtype": _EXPORT_DTYPES[args.dtype] if args.dtype else None,
+              "hf_config": None if args.hf_config is None else open(args.hf_config, encoding="utf-8").read()}
+    elif args.dtype or args.max_shard_size != "5GB" or args.hf_config:
+        raise ValueError("--dtype, --max-shard-size and --hf-config apply to --format hf only")
     bar = _ProgressBar(f"exporting ({args.format})", args.quiet)
     try:
         written = manager.export(name[: -len(PARTIAL_SUFFIX)], out=out, full_format=args.format,
-                                 include_optimizer=args.include_optimizer, overwrite=args.overwrite, progress=bar)
+                                 include_optimizer=args.include_optimizer, overwrite=args.overwrite, progress=bar,
+                                 **hf)
     finally:
         bar.close()
     print(written)
     return 0
+
+
+_EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -412,8 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("export", help="write a full single-file checkpoint from a partial one")
     p.add_argument("checkpoint", help="ROOT/{tag}_partial")
     p.add_argument("out", help="output file path or URL")
-    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors",
-                   help="safetensors (default) or a torch.save file of a {name: tensor} dict")
+    p.add_argument("--format", choices=("safetensors", "torch", "hf"), default="safetensors",
+                   help="safetensors (default), a torch.save file of a {name: tensor} dict, or hf: a Hugging "
+                        "Face folder (sharded safetensors + model.safetensors.index.json)")
+    p.add_argument("--dtype", choices=sorted(_EXPORT_DTYPES), help="hf: cast floating tensors to this dtype")
+    p.add_argument("--max-shard-size", default="5GB", help="hf: most bytes per file, e.g. 5GB (default), 500MB")
+    p.add_argument("--hf-config", metavar="FILE", help="hf: a config.json to put in the folder")
     p.add_argument("--include-optimizer", action="store_true", help="also write the optimizer's tensors")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

@@ -33,7 +33,6 @@ export does not replace are deleted once its index is committed.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import time
@@ -51,6 +50,7 @@ from ._torch_format import tensor_bytes
 from .config import IOConfig
 from .errors import CheckpointExistsError, DcpExtError
 from .export import _IntoTensor
+from .full_checksums import FOLDER_SIDECAR, ChecksumRecorder, FileChecksums, encode_sidecar
 from .hf_layout import (
     HF_CONFIG_FILE,
     HF_INDEX_FILE,
@@ -71,12 +71,6 @@ from .process_group import GroupView
 from .reader import CheckpointReader
 from .storage import TMP_MARK, ObjectWriter, Store, open_store
 
-# TEMPORARY until dcp_ext.full_checksums is on main (then imported directly).
-try:
-    _checksums: Any = importlib.import_module("dcp_ext.full_checksums")
-except ImportError:  # pragma: no cover
-    _checksums = None
-FOLDER_SIDECAR = "dcp_ext.checksums.json"
 
 __all__ = ["HFExportReport", "save_hf", "export_hf"]
 
@@ -131,7 +125,7 @@ class _Outcome:
     failure: _Failure | None
     files: tuple[str, ...]
     bytes_written: int
-    checksums: tuple[Any, ...]
+    checksums: tuple[FileChecksums, ...]
 
 
 class _FileSink:
@@ -151,11 +145,11 @@ class _FileSink:
         self.failure: _Failure | None = None
         self.written: list[str] = []
         self.bytes_written = 0
-        self.checksums: list[Any] = []
+        self.checksums: list[FileChecksums] = []
         self._writer: ObjectWriter | None = None
         self._file = -1
         self._offsets: dict[int, int] = {}
-        self._recorder: Any = None
+        self._recorder: ChecksumRecorder | None = None
         self._size = 0
 
     def fail(self, file: int, tensor: int | None, err: BaseException) -> None:
@@ -181,10 +175,7 @@ class _FileSink:
             self._file = file
             self._offsets = {i: len(header) + e.begin for i, e in zip(spec.tensors, entries)}
             self._size = len(header) + spec.nbytes
-            self._recorder = (
-                _checksums.ChecksumRecorder(file=spec.name, frame_size=self.frame_size)
-                if _checksums is not None else None
-            )
+            self._recorder = ChecksumRecorder(file=spec.name, frame_size=self.frame_size)
             self._writer = self.store.open_writer(spec.name, size_hint=self._size)
             self._writer.write(header)
         except Exception as err:  # noqa: BLE001 - shared with every rank
@@ -199,9 +190,8 @@ class _FileSink:
             if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
                 raise ValueError(f"expected {spec.dtype} {list(spec.shape)}, got {tensor.dtype} {list(tensor.shape)}")
             data = tensor_bytes(tensor)
-            if self._recorder is not None:
-                self._recorder.add(spec.name, self._offsets[index], data)
-            assert self._writer is not None
+            assert self._writer is not None and self._recorder is not None
+            self._recorder.add(spec.name, self._offsets[index], data)
             self._writer.write(data)
         except Exception as err:  # noqa: BLE001 - shared with every rank
             self.fail(file, index, err)
@@ -216,8 +206,8 @@ class _FileSink:
             self._writer = None
             self.written.append(name)
             self.bytes_written += self._size
-            if self._recorder is not None:
-                self.checksums.append(self._recorder.finish(size=self._size))
+            assert self._recorder is not None
+            self.checksums.append(self._recorder.finish(size=self._size))
         except Exception as err:  # noqa: BLE001 - shared with every rank
             self.fail(file, None, err)
 
@@ -486,23 +476,30 @@ class _StoredState:
         self.reader.read_data(LoadPlan(items), cast(LoadPlanner, _IntoTensor(dest)))
         return dest.to(self.tensors[index].dtype)
 
-    def run(self, sink: _FileSink, files: Sequence[HFFile], owners: Sequence[int], rank: int) -> None:
+    def run(self, sink: _FileSink, files: Sequence[HFFile], owners: Sequence[int], rank: int,
+            progress: Callable[[int, int], None] | None = None) -> None:
         """(each rank on its own) Read and write the files this rank writes."""
-        for f, owner in enumerate(owners):
-            if owner != rank:
-                continue
+        mine = [f for f, owner in enumerate(owners) if owner == rank]
+        total = sum(files[f].nbytes for f in mine)
+        done = 0
+        for f in mine:
             sink.open(f)
             for i in files[f].tensors:
                 if sink.failure is not None:
                     return
+                if progress is not None:
+                    progress(done, total)
                 try:
                     tensor = self.read(i)
                 except Exception as err:  # noqa: BLE001 - shared with every rank
                     sink.fail(f, i, err)
                     return
                 sink.put(f, i, tensor)
+                done += self.tensors[i].nbytes
                 del tensor
             sink.close(f)
+        if progress is not None:
+            progress(total, total)
 
 
 def _exported_keys(keys: Sequence[str], include_optimizer: bool) -> list[tuple[str, str]]:
@@ -569,10 +566,9 @@ def _finish_folder(store: Store, plan: _Plan, outcomes: Sequence[_Outcome], exis
     """(coordinator) Sidecar, config, extra file, index; then tidy the old export's files."""
     written: list[tuple[Store, str]] = []
     try:
-        if _checksums is not None:
-            by_file = {c.file: c for o in outcomes for c in o.checksums}
-            store.write_file(FOLDER_SIDECAR, _checksums.encode_sidecar([by_file[f.name] for f in plan.files]))
-            written.append((store, FOLDER_SIDECAR))
+        by_file = {c.file: c for o in outcomes for c in o.checksums}
+        store.write_file(FOLDER_SIDECAR, encode_sidecar([by_file[f.name] for f in plan.files]))
+        written.append((store, FOLDER_SIDECAR))
         if plan.config is not None:
             store.write_file(HF_CONFIG_FILE, plan.config)
         if extra is not None:
@@ -636,7 +632,6 @@ def save_hf(
     process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
     config: IOConfig | None = None,
-    _extra: tuple[Store, str, bytes] | None = None,
 ) -> HFExportReport:
     """(all ranks) Write live state as a Hugging Face folder at ``path``.
 
@@ -670,15 +665,9 @@ def save_hf(
         TypeError: A dtype safetensors cannot store (every rank, before writing).
         ValueError: The ranks' states differ, or ``config_json`` is not JSON.
     """
-    started = time.perf_counter()
-    group = GroupView(process_group)
-    io_config = config or IOConfig.from_env()
-    store = open_store(path, io_config, storage_options)
-    live = _LiveState(group, state, dtype)
-    plan = _make_plan(live.tensors, group.world_size, max_shard_size, config_json, store.describe(), live.local_bytes)
-    transfers = live.plan(plan.files, plan.owners)
-    return _export(group, store, plan, overwrite,
-                   lambda sink: live.run(sink, plan.files, plan.owners, transfers), started, _extra)
+    return write_live_state(state, path, max_shard_size=max_shard_size, dtype=dtype, config_json=config_json,
+                            overwrite=overwrite, process_group=process_group, storage_options=storage_options,
+                            config=config)
 
 
 def export_hf(
@@ -693,7 +682,6 @@ def export_hf(
     process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
     config: IOConfig | None = None,
-    _extra: tuple[Store, str, bytes] | None = None,
 ) -> HFExportReport:
     """(all ranks, or one process) Write a partial checkpoint as a Hugging Face folder at ``path``.
 
@@ -715,6 +703,57 @@ def export_hf(
     Raises:
         As :func:`save_hf`; and the reader's errors for a missing or damaged source.
     """
+    return write_partial(source, path, include_optimizer=include_optimizer, max_shard_size=max_shard_size,
+                         dtype=dtype, config_json=config_json, overwrite=overwrite, process_group=process_group,
+                         storage_options=storage_options, config=config)
+
+
+# -- the same with a file of the caller's committed just before the index ---------------
+def write_live_state(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str,
+    dtype: torch.dtype | None,
+    config_json: dict[str, Any] | str | None,
+    overwrite: bool,
+    process_group: Any,
+    storage_options: dict[str, Any] | None,
+    config: IOConfig | None,
+    extra: tuple[Store, str, bytes] | None = None,
+) -> HFExportReport:
+    """(all ranks) :func:`save_hf`; ``extra`` = ``(store, name, bytes)`` is
+    written by the coordinator just before the index (CheckpointManager's
+    ``user_content_{tag}``) and deleted if the export fails."""
+    started = time.perf_counter()
+    group = GroupView(process_group)
+    io_config = config or IOConfig.from_env()
+    store = open_store(path, io_config, storage_options)
+    live = _LiveState(group, state, dtype)
+    plan = _make_plan(live.tensors, group.world_size, max_shard_size, config_json, store.describe(), live.local_bytes)
+    transfers = live.plan(plan.files, plan.owners)
+    return _export(group, store, plan, overwrite,
+                   lambda sink: live.run(sink, plan.files, plan.owners, transfers), started, extra)
+
+
+def write_partial(
+    source: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    *,
+    include_optimizer: bool,
+    max_shard_size: int | str,
+    dtype: torch.dtype | None,
+    config_json: dict[str, Any] | str | None,
+    overwrite: bool,
+    process_group: Any,
+    storage_options: dict[str, Any] | None,
+    config: IOConfig | None,
+    extra: tuple[Store, str, bytes] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> HFExportReport:
+    """(all ranks, or one process) :func:`export_hf`, with ``extra`` as for
+    :func:`write_live_state`; ``progress(done, total)`` after each tensor, in
+    bytes of tensor data this rank writes."""
     started = time.perf_counter()
     group = GroupView(process_group)
     io_config = config or IOConfig.from_env()
@@ -722,4 +761,4 @@ def export_hf(
     stored = _StoredState(group, os.fspath(source), include_optimizer, dtype, storage_options, io_config)
     plan = _make_plan(stored.tensors, group.world_size, max_shard_size, config_json, store.describe())
     return _export(group, store, plan, overwrite,
-                   lambda sink: stored.run(sink, plan.files, plan.owners, group.rank), started, _extra)
+                   lambda sink: stored.run(sink, plan.files, plan.owners, group.rank, progress), started, extra)

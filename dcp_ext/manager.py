@@ -61,6 +61,7 @@ from .errors import (
     StorageFullError,
 )
 from .full import save_full
+from .hf_layout import HF_INDEX_FILE
 from .incremental import DEFAULT_MAX_CHAIN, IncrementalSave, restart_reason
 from .layout import (
     PARTITION_FILE,
@@ -349,6 +350,9 @@ class CheckpointManager:
         include_optimizer: bool = False,
         retention: RetentionPolicy | None = None,
         persist: bool = False,
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | None = None,
+        hf_config: dict[str, Any] | str | None = None,
     ) -> AsyncSaveHandle | None:
         """(all ranks) Save a checkpoint under ``tag``.
 
@@ -371,7 +375,10 @@ class CheckpointManager:
                 errors included, is the same on every rank. A save started
                 while another is in flight first waits for that one.
             overwrite: Replace an existing checkpoint with this tag.
-            full_format: ``"safetensors"`` or ``"torch"`` (full checkpoints).
+            full_format: ``"safetensors"`` or ``"torch"`` (one file
+                ``ROOT/{tag}``), or ``"hf"``: a Hugging Face folder
+                ``ROOT/{tag}/`` written by every rank at once
+                (:func:`~dcp_ext.save_hf`).
             include_optimizer: Also put the optimizer state in a full checkpoint.
             retention: A :mod:`dcp_ext.retention` policy for this save
                 (default: the manager's); not together with
@@ -379,6 +386,9 @@ class CheckpointManager:
                 applies to the persistent root.
             persist: With a local tier: drain this save to the root even if
                 it is not a ``persist_every``-th one.
+            max_shard_size: ``full_format="hf"``: most bytes of tensor data per file.
+            dtype: ``full_format="hf"``: cast floating tensors to this dtype.
+            hf_config: ``full_format="hf"``: the ``config.json`` to write (dict or JSON string).
 
         Returns:
             The save's handle when ``async_save``, else ``None``.
@@ -403,12 +413,50 @@ class CheckpointManager:
             if model is None:
                 raise ValueError("a full checkpoint needs the model")
             state = _full_state(model, optimizer if include_optimizer else None)
+            if full_format == "hf":
+                self._save_hf(tag, state, encoded, overwrite, max_shard_size, dtype, hf_config)
+                return None
             save_full(self.group, self.checkpoints.store, tag, state, fmt=full_format, user_content=encoded,
                       overwrite=overwrite, frame_size=self.config.frame_size)
             return None
         if self.local is not None:
             return self._save_tiered(tag, model, optimizer, encoded, policy, async_save, overwrite, persist)
         return self._save_partial(tag, model, optimizer, encoded, policy, async_save, overwrite)
+
+    def _save_hf(
+        self,
+        tag: str,
+        state: dict[str, Any],
+        user_content: bytes | None,
+        overwrite: bool,
+        max_shard_size: int | str,
+        dtype: torch.dtype | None,
+        hf_config: dict[str, Any] | str | None,
+    ) -> None:
+        """(all ranks) ``state`` as the Hugging Face folder ``ROOT/{tag}/``; its
+        user content, ``ROOT/user_content_{tag}``, is written just before the index."""
+        from .hf_export import write_live_state
+
+        self.group.run_on_coordinator(lambda: self._clear_full_file(tag, overwrite))
+        store = self.checkpoints.store
+        write_live_state(
+            state, join_path(self.root, tag), max_shard_size=max_shard_size, dtype=dtype, config_json=hf_config,
+            overwrite=overwrite, process_group=self.process_group, storage_options=self.storage_options,
+            config=self.config, extra=None if user_content is None else (store, user_content_name(tag), user_content),
+        )
+
+    def _clear_full_file(self, tag: str, overwrite: bool) -> None:
+        """(coordinator) Refuse, or with ``overwrite`` delete, a single-file
+        full checkpoint ``ROOT/{tag}`` where a folder of that name is to go."""
+        store = self.checkpoints.store
+        if not store.exists(tag):
+            return
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"Checkpoint already exists: the full checkpoint {store.describe(tag)}; pass overwrite=True",
+                store.describe(tag),
+            )
+        self.checkpoints.delete(tag, partial=False)
 
     def _save_partial(
         self,
@@ -787,7 +835,7 @@ class CheckpointManager:
         if model is None:
             raise ValueError("resume from a full checkpoint needs the model")
         store = self.checkpoints.store
-        if not store.exists(tag):
+        if not store.exists(tag) and not store.exists(f"{tag}/{HF_INDEX_FILE}"):
             raise CheckpointNotFoundError(
                 f"no full checkpoint {store.describe(tag)}; saved tags with partial=False live at ROOT/<tag>",
                 store.describe(tag),
@@ -837,26 +885,39 @@ class CheckpointManager:
         include_optimizer: bool = False,
         overwrite: bool = False,
         progress: Callable[[int, int], None] | None = None,
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | None = None,
+        hf_config: dict[str, Any] | str | None = None,
     ) -> str:
         """Write a full checkpoint from a partial one, one tensor in memory at a time.
 
         Runs in one process (no process group needed); reads each tensor's
-        chunks with ranged reads and streams it into the output.
+        chunks with ranged reads and streams it into the output. With
+        ``full_format="hf"`` (a Hugging Face folder, :func:`~dcp_ext.export_hf`)
+        it is collective over the manager's group when ``torch.distributed``
+        is initialized: every rank writes its share of the files.
 
         Args:
             tag: The partial checkpoint.
             out: Output tag under the root (default: ``tag``), or a path/URL
                 containing ``/``.
-            full_format: ``"safetensors"`` or ``"torch"``.
+            full_format: ``"safetensors"`` or ``"torch"`` (one file), or
+                ``"hf"`` (a folder: ``ROOT/{out or tag}/`` or the path ``out``).
             include_optimizer: Also export the optimizer's tensors.
             overwrite: Replace an existing output.
             progress: Called as ``progress(bytes_done, bytes_total)`` as
-                tensors are written (the CLI draws its progress bar with it).
+                tensors are written (the CLI draws its progress bar with it;
+                with ``"hf"``, this rank's bytes).
+            max_shard_size: ``"hf"``: most bytes of tensor data per file.
+            dtype: ``"hf"``: cast floating tensors to this dtype.
+            hf_config: ``"hf"``: the ``config.json`` to write (dict or JSON string).
 
         Returns:
             Where the full checkpoint was written.
         """
         validate_tag(tag)
+        if full_format == "hf":
+            return self._export_hf(tag, out, include_optimizer, overwrite, progress, max_shard_size, dtype, hf_config)
         from .export import export_partial
 
         root_store = self.checkpoints.store
@@ -876,6 +937,39 @@ class CheckpointManager:
         if content is not None and target_store is root_store:
             root_store.write_file(user_content_name(target_name), content)
         return target_store.describe(target_name)
+
+    def _export_hf(
+        self,
+        tag: str,
+        out: str | None,
+        include_optimizer: bool,
+        overwrite: bool,
+        progress: Callable[[int, int], None] | None,
+        max_shard_size: int | str,
+        dtype: torch.dtype | None,
+        hf_config: dict[str, Any] | str | None,
+    ) -> str:
+        """(all ranks, or one process) :meth:`export` to a Hugging Face folder."""
+        from .hf_export import write_partial
+
+        extra = None
+        if out is None or "/" not in out:
+            name = validate_tag(out or tag)
+            folder = join_path(self.root, name)
+            self.group.run_on_coordinator(lambda: self._clear_full_file(name, overwrite))
+            content = self.group.run_on_coordinator(
+                lambda: _read_optional(self.checkpoints.partial_store(tag), USER_CONTENT_FILE))
+            if content is not None:
+                extra = (self.checkpoints.store, user_content_name(name), content)
+        else:
+            folder = normalize_path(out)
+        write_partial(
+            self.checkpoints.partial_url(tag), folder, include_optimizer=include_optimizer,
+            max_shard_size=max_shard_size, dtype=dtype, config_json=hf_config, overwrite=overwrite,
+            process_group=self.process_group, storage_options=self.storage_options, config=self.config,
+            extra=extra, progress=progress,
+        )
+        return folder
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from ._failpoints import fail_point
 from ._safetensors import build_header
 from ._torch_format import tensor_bytes
 from .config import IOConfig
@@ -193,6 +194,7 @@ class _FileSink:
             assert self._writer is not None and self._recorder is not None
             self._recorder.add(spec.name, self._offsets[index], data)
             self._writer.write(data)
+            fail_point("mid_hf_export")
         except Exception as err:  # noqa: BLE001 - shared with every rank
             self.fail(file, index, err)
 

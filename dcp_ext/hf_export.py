@@ -226,6 +226,34 @@ class _FileSink:
 
 
 # -- sources --------------------------------------------------------------------------
+class _Scratch:
+    """One reused buffer that each tensor in turn is assembled or read into.
+
+    A fresh allocation per tensor would cost its page faults every time,
+    and gloo keeps its last received tensor alive until its next operation,
+    so the previous tensor's memory would still be held while the next one
+    fills: the high-water mark would be two tensors instead of one.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialized tensor over the buffer (valid until the next call)."""
+        nbytes = _numel(shape) * dtype.itemsize
+        if nbytes > self._buffer.numel():
+            self._buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes first
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).reshape(shape)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
 def _stored_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
     """``cast_to`` for floating dtypes, else ``dtype`` unchanged."""
     return cast_to if cast_to is not None and dtype.is_floating_point else dtype
@@ -261,6 +289,8 @@ class _LiveState:
                         f"tensor {key!r}: rank {rank} has {dtype} {list(shape)}, rank 0 has {dtype0} {list(shape0)}"
                     )
         self.held = [[theirs[i][3] for theirs in every] for i in range(len(items))]
+        self.scratch = _Scratch()  # the tensor this rank assembles
+        self.send_scratch: list[_Scratch] = []  # casts or copies of what it sends, one per send of a step
         self.tensors = [
             HFTensor(k, _stored_dtype(v.dtype, cast_to), tuple(int(s) for s in v.shape)) for k, v in items
         ]
@@ -286,10 +316,15 @@ class _LiveState:
         return transfers
 
     def local_slice(self, index: int) -> torch.Tensor:
-        """This rank's slice of tensor ``index`` in its stored dtype, contiguous, on the CPU."""
+        """This rank's slice of tensor ``index`` in its stored dtype, contiguous,
+        on the CPU: the local tensor itself, or a copy in the scratch buffer
+        (for a tensor the writer holds whole, so it assembles nothing)."""
         value = self.values[index]
-        local = value.to_local() if hasattr(value, "to_local") else value
-        return local.detach().to(device="cpu", dtype=self.tensors[index].dtype).contiguous()
+        local = (value.to_local() if hasattr(value, "to_local") else value).detach()
+        dtype = self.tensors[index].dtype
+        if local.dtype == dtype and local.device.type == "cpu" and local.is_contiguous():
+            return local
+        return self.scratch.tensor(dtype, tuple(int(s) for s in local.shape)).copy_(local)
 
     def run(self, sink: _FileSink, files: Sequence[HFFile], owners: Sequence[int],
             transfers: Sequence[tuple[Transfer, ...]]) -> None:
@@ -324,9 +359,8 @@ class _LiveState:
                     continue
                 for transfer in transfers[i]:
                     if transfer.source == me:
-                        buffer = self._send_buffer(i, transfer.box, sink, f)
-                        keep.append(buffer)
-                        works.append(_isend(group, buffer, owner, step))
+                        keep.append(self._send_buffer(i, transfer.box, sink, f, len(keep)))
+                        works.append(_isend(group, keep[-1], owner, step))
             for work in works:
                 work.wait()
             for received, view in copies:
@@ -351,7 +385,7 @@ class _LiveState:
         me = self.group.rank
         if len(transfers) == 1 and transfers[0].source == me and transfers[0].box.sizes == spec.shape:
             return self._own_slice(index, sink, file, spec.shape)  # held whole here: no copy unless cast
-        whole = torch.empty(spec.shape, dtype=spec.dtype)
+        whole = self.scratch.tensor(spec.dtype, spec.shape)
         for transfer in transfers:
             view = whole
             for dim, (offset, size) in enumerate(zip(transfer.box.offsets, transfer.box.sizes)):
@@ -385,18 +419,26 @@ class _LiveState:
             sink.fail(file, index, err)
             return torch.zeros(shape, dtype=self.tensors[index].dtype)
 
-    def _send_buffer(self, index: int, box: Box, sink: _FileSink, file: int) -> torch.Tensor:
-        """This rank's slice ``box`` of tensor ``index``, ready to send. On
-        error, zeros of the same size go out (the writer's step must complete)
-        and the error is this rank's failure."""
+    def _send_buffer(self, index: int, box: Box, sink: _FileSink, file: int, slot: int) -> torch.Tensor:
+        """This rank's slice ``box`` of tensor ``index``, ready to send: the
+        local tensor itself when it needs no cast or copy, else a copy in the
+        reused send buffer ``slot`` (this step's ``slot``-th send). On error,
+        zeros of the same size go out (the writer's step must complete) and
+        the error is this rank's failure."""
+        dtype = self.tensors[index].dtype
         try:
-            local = self.local_slice(index)
+            value = self.values[index]
+            local = (value.to_local() if hasattr(value, "to_local") else value).detach()
             if tuple(local.shape) != box.sizes:
                 raise ValueError(f"local slice has shape {list(local.shape)}, its DTensor says {list(box.sizes)}")
-            return local
+            if local.dtype == dtype and local.device.type == "cpu" and local.is_contiguous():
+                return local
+            while len(self.send_scratch) <= slot:
+                self.send_scratch.append(_Scratch())
+            return self.send_scratch[slot].tensor(dtype, box.sizes).copy_(local)
         except Exception as err:  # noqa: BLE001 - shared with every rank
             sink.fail(file, index, err)
-            return torch.zeros(box.sizes, dtype=self.tensors[index].dtype)
+            return torch.zeros(box.sizes, dtype=dtype)
 
 
 def _held_slices(key: str, value: torch.Tensor) -> tuple[Box, ...]:
@@ -450,6 +492,7 @@ class _StoredState:
             self.reader.metadata_group = (group.group,)  # the coordinator reads it once for all
         metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(metadata, True)
+        self.scratch = _Scratch()
         stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self.chosen = _exported_keys(list(stored), include_optimizer)
         self.metadata = [stored[k] for _, k in self.chosen]
@@ -459,10 +502,10 @@ class _StoredState:
         ]
 
     def read(self, index: int) -> torch.Tensor:
-        """Tensor ``index`` in full, in its stored dtype."""
+        """Tensor ``index`` in full, in its exported dtype (valid until the next call)."""
         key = self.chosen[index][1]
         md = self.metadata[index]
-        dest = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        dest = self.scratch.tensor(md.properties.dtype, tuple(int(s) for s in md.size))
         # The row as the index hint: version-3 look-ups then index no key's rows.
         items = [
             ReadItem(
@@ -476,7 +519,7 @@ class _StoredState:
             for row, chunk in enumerate(md.chunks)
         ]
         self.reader.read_data(LoadPlan(items), cast(LoadPlanner, _IntoTensor(dest)))
-        return dest.to(self.tensors[index].dtype)
+        return dest.to(self.tensors[index].dtype)  # a view of the scratch buffer unless cast
 
     def run(self, sink: _FileSink, files: Sequence[HFFile], owners: Sequence[int], rank: int,
             progress: Callable[[int, int], None] | None = None) -> None:

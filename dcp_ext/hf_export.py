@@ -254,6 +254,11 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def _check_dtype(dtype: torch.dtype | None) -> None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype (it casts floating tensors), got {dtype!r}")
+
+
 def _stored_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
     """``cast_to`` for floating dtypes, else ``dtype`` unchanged."""
     return cast_to if cast_to is not None and dtype.is_floating_point else dtype
@@ -270,10 +275,17 @@ class _LiveState:
         self.group = group
         items = [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)]
         self.values = [v for _, v in items]
-        mine: list[tuple[str, str, tuple[int, ...], tuple[Box, ...]]] = []
-        for key, value in items:
-            mine.append((key, str(value.dtype), tuple(int(s) for s in value.shape), _held_slices(key, value)))
-        every = group.all_gather(mine)
+        mine: list[tuple[str, str, tuple[int, ...], tuple[Box, ...]]] | str = []
+        try:
+            mine = [(k, str(v.dtype), tuple(int(s) for s in v.shape), _held_slices(k, v)) for k, v in items]
+        except ValueError as err:  # shared: every rank raises it
+            mine = str(err)
+        gathered = group.all_gather(mine)
+        every: list[list[tuple[str, str, tuple[int, ...], tuple[Box, ...]]]] = []
+        for rank, theirs in enumerate(gathered):
+            if isinstance(theirs, str):
+                raise ValueError(f"rank {rank}: {theirs}")
+            every.append(theirs)
         reference = every[0]
         for rank, theirs in enumerate(every):
             if [k for k, *_ in theirs] != [k for k, *_ in reference]:
@@ -771,6 +783,7 @@ def write_live_state(
     written by the coordinator just before the index (CheckpointManager's
     ``user_content_{tag}``) and deleted if the export fails."""
     started = time.perf_counter()
+    _check_dtype(dtype)
     group = GroupView(process_group)
     io_config = config or IOConfig.from_env()
     store = open_store(path, io_config, storage_options)
@@ -800,6 +813,7 @@ def write_partial(
     :func:`write_live_state`; ``progress(done, total)`` after each tensor, in
     bytes of tensor data this rank writes."""
     started = time.perf_counter()
+    _check_dtype(dtype)
     group = GroupView(process_group)
     io_config = config or IOConfig.from_env()
     store = open_store(path, io_config, storage_options)

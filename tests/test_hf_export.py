@@ -116,13 +116,16 @@ def test_minilm_from_two_ranks_loads_in_transformers(tmp_path: Path) -> None:
     assert reports[0]["overwrite"].files + reports[1]["overwrite"].files == ("model.safetensors",)
 
     # Failures: the same error on both ranks, and nothing left behind.
-    for case in ("exists", "overwrite_refused", "bad_dtype", "injected", "blocked"):
+    for case in ("exists", "overwrite_refused", "bad_dtype", "keys_differ", "injected", "blocked"):
         assert reports[0][case] == reports[1][case], case
     kind, message = reports[0]["exists"]
     assert kind == "CheckpointExistsError" and message.startswith("Checkpoint already exists"), message
     kind, message = reports[0]["bad_dtype"]
     assert kind == "TypeError" and "'pooler.bad'" in message and "complex64" in message, message
     assert not (tmp_path / "bad_dtype").exists()
+    kind, message = reports[0]["keys_differ"]
+    assert kind == "ValueError" and "rank 1" in message and "'pooler.dense.bias'" in message, message
+    assert not (tmp_path / "keys_differ").exists()
     kind, message = reports[0]["injected"]
     assert kind == "DcpExtError" and "on rank 1 writing model-0000" in message and "tensor '" in message, message
     assert "InjectedFailure" in message
@@ -146,6 +149,9 @@ def test_one_process_exports_cli_and_manager(tmp_path: Path) -> None:
     assert report.total_bytes == sum(t.numel() * t.element_size() for t in reference.values())
     _assert_equal(_folder(tmp_path / "plain"), reference)
     assert dcp_ext.verify_full(tmp_path / "plain").ok
+    with pytest.raises(ValueError, match="floating"):
+        dcp_ext.save_hf(state, tmp_path / "int", dtype=torch.int8)
+    assert not (tmp_path / "int").exists()
 
     # A partial checkpoint, exported by the library, the manager and the CLI.
     dcp_ext.save_checkpoint(tmp_path / "root", "p1", model, user_content={"note": "x"})

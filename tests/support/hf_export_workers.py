@@ -97,6 +97,8 @@ def hf_world(rank: int, world_size: int, model_dir: str, out: str) -> dict[str, 
     report["exists"] = _raised(lambda: dcp_ext.save_hf(state, f"{out}/fsdp", max_shard_size=SHARD))
     bad = {**state, "pooler.bad": torch.zeros(2, dtype=torch.complex64)}
     report["bad_dtype"] = _raised(lambda: dcp_ext.save_hf(bad, f"{out}/bad_dtype", max_shard_size=SHARD))
+    uneven = state if rank == 0 else {k: v for k, v in state.items() if k != "pooler.dense.bias"}
+    report["keys_differ"] = _raised(lambda: dcp_ext.save_hf(uneven, f"{out}/keys_differ"))
     # Layer 0 alone (7 MB) in 2 MB files: several files per rank, quickly.
     small = {k: v for k, v in state.items() if k.startswith("encoder.layer.0.")}
     report["small"] = dcp_ext.save_hf(small, f"{out}/overwrite", max_shard_size=SMALL_SHARD)

@@ -212,3 +212,31 @@ def test_layout_planning() -> None:
         plan_transfers("w", (4, 6), 0, [halves[0], []])
     assert stale_shards(["model-00001-of-00003.safetensors", "model.safetensors", "notes.safetensors"],
                         ["model.safetensors"]) == ["model-00001-of-00003.safetensors"]
+
+
+@pytest.mark.parametrize("kind", ["memory", "moto"])
+def test_object_stores(kind: str, make_backend: Any) -> None:
+    backend = make_backend(kind)
+    options = backend.storage_options
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.ReLU(), torch.nn.Linear(300, 24))
+    root = backend.url("root")
+    dcp_ext.save_checkpoint(root, "f1", model, partial=False, full_format="hf", max_shard_size=20_000,
+                            storage_options=options, user_content={"step": 2})
+    store = dcp_ext.CheckpointRoot(root, storage_options=options).hf_store("f1")
+    # 0.weight (48 kB) and 2.weight (28.8 kB) alone: 4 files.
+    shards = [f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)]
+    assert sorted(store.list_names()) == [FOLDER_SIDECAR, *shards, INDEX]
+    assert dcp_ext.verify_full(f"{root}/f1", storage_options=options).ok
+    fresh = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.ReLU(), torch.nn.Linear(300, 24))
+    result = dcp_ext.resume_from_checkpoint(root, fresh, tag="f1", partial=False, storage_options=options)
+    assert result.user_content == {"step": 2}
+    _assert_equal(dict(fresh.state_dict()), dict(model.state_dict()))
+    with pytest.raises(dcp_ext.CheckpointExistsError, match="^Checkpoint already exists"):
+        dcp_ext.save_hf(model.state_dict(), f"{root}/f1", storage_options=options)
+    dcp_ext.save_hf(model.state_dict(), f"{root}/f1", storage_options=options, overwrite=True)
+    assert sorted(store.list_names()) == [FOLDER_SIDECAR, "model.safetensors", INDEX]
+    manager = dcp_ext.CheckpointManager(root, storage_options=options)
+    assert manager.checkpoints.hf_folders() == ["f1"]
+    manager.delete("f1", partial=False)
+    assert store.list_names() == [] and manager.checkpoints.hf_folders() == []

@@ -144,6 +144,7 @@ class _FileSink:
         self.tensors = tensors
         self.frame_size = frame_size
         self.failure: _Failure | None = None
+        self.cause: BaseException | None = None  # the original error of :attr:`failure`
         self.written: list[str] = []
         self.bytes_written = 0
         self.checksums: list[FileChecksums] = []
@@ -155,6 +156,7 @@ class _FileSink:
 
     def fail(self, file: int, tensor: int | None, err: BaseException) -> None:
         if self.failure is None:
+            self.cause = err
             name = self.files[file].name
             self.failure = _Failure(
                 self.rank, name, None if tensor is None else self.tensors[tensor].name, type(err),
@@ -663,15 +665,23 @@ def _export(
     sink = _FileSink(store, group.rank, plan.files, plan.tensors, store.config.frame_size)
     try:
         write(sink)
-    finally:
+    except BaseException:
+        # Not a storage or data error (those are shared below): a collective
+        # failed, or the process is being interrupted. The peers see it as a
+        # failed collective; this rank's files go.
         sink.abort()
+        for name in sink.written:
+            _delete_quietly(store, name)
+        raise
+    sink.abort()  # a file left open when another rank's failure stopped the steps
     outcomes: list[_Outcome] = group.all_gather(sink.outcome())
     failures = [o.failure for o in outcomes if o.failure is not None]
     if failures:
         for name in sink.written:
             _delete_quietly(store, name)
         group.barrier()  # every rank's files are gone before any rank returns
-        raise failures[0].error()
+        first = failures[0]
+        raise first.error() from (sink.cause if first.rank == group.rank else None)
     group.run_on_coordinator(lambda: _finish_folder(store, plan, outcomes, existing, extra))
     mine = outcomes[group.rank]
     return HFExportReport(mine.files, mine.bytes_written, sum(f.nbytes for f in plan.files),

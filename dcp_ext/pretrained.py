@@ -549,7 +549,7 @@ def load_pretrained(
     # FP8 weights land in FP8 buffers laid out like their parameters (so each
     # rank reads its slice, as for any tensor), then are scaled into them.
     load_state: dict[str, Any] = dict(wanted)
-    for key, (value, scale) in quantized.items():
+    for key, (value, _) in quantized.items():
         fp8 = metadata.state_dict_metadata[key]
         assert isinstance(fp8, TensorStorageMetadata)  # paired_scales pairs tensors only
         load_state[key] = _fp8_like(value, fp8.properties.dtype)

@@ -35,7 +35,7 @@ from .errors import (
     UnsupportedCodecError,
     unwrap_checkpoint_exception,
 )
-from .integrity import Problem, VerifyReport, verify
+from .integrity import Problem, VerifyReport, verify, verify_full
 from .layout import InvalidTagError, MeshInfo, Partition, RankPartition, TagInfo
 from .model_registry import register_model, registered_model
 from .manager import CheckpointManager, ResumeResult, close_checkpoints, resume_from_checkpoint, save_checkpoint
@@ -83,6 +83,7 @@ __all__ = [
     "TagInfo",
     "UnsafeUserContentError",
     "verify",
+    "verify_full",
     "compact",
     "CompactReport",
     "VerifyReport",

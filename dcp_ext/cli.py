@@ -21,14 +21,15 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import demo
-from .metadata import DecodedMetadata, StoredItem
+from .metadata import METADATA_FILE, DecodedMetadata, StoredItem
 from .metadata.chunk_table import ChunkLocations, KeyTotals
 from ._safetensors import MAX_HEADER, parse_header
 from .config import IOConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
 from .full import CREATED_KEY
-from .integrity import read_own_metadata, verify
+from .integrity import read_own_metadata, verify, verify_full
 from .layout import PARTIAL_SUFFIX
+from .pretrained import HF_MARKERS
 from .retention import KeepEvery, KeepLast, RetentionPolicy
 from .compact import compact
 from .root import RETIRED_FILE, CheckpointRoot
@@ -159,9 +160,14 @@ def _load_metadata(path: str, options: dict[str, Any]) -> DecodedMetadata:
 
 
 def _full_checkpoint_file(path: str, options: dict[str, Any]) -> bool:
-    """Whether ``path`` names a file (a full checkpoint) rather than a directory."""
+    """Whether ``path`` names a full checkpoint: a file rather than a
+    directory, or a Hugging Face folder (``model.safetensors`` or its index,
+    and no dcp_ext metadata)."""
     parent, _, name = path.rstrip("/").rpartition("/")
-    return bool(parent and name) and open_store(parent, IOConfig.from_env(), options).exists(name)
+    if bool(parent and name) and open_store(parent, IOConfig.from_env(), options).exists(name):
+        return True
+    store = open_store(path, IOConfig.from_env(), options)
+    return not store.exists(METADATA_FILE) and any(store.exists(n) for n in HF_MARKERS)
 
 
 def _key_entries(metadata: Metadata) -> list[dict[str, Any]]:
@@ -297,7 +303,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     path, options = normalize_path(args.checkpoint), _options(args)
     if _full_checkpoint_file(path, options):
-        return _verify_full(path, options)
+        return _verify_full(path, options, args.quiet)
     bar = _ProgressBar("verifying", args.quiet)
     try:
         report = verify(path, storage_options=options, progress=bar, present_only=args.local_copy)
@@ -307,21 +313,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _verify_full(path: str, options: dict[str, Any]) -> int:
-    """A full checkpoint has no checksums: check its header and that every tensor lies inside the file."""
-    from .pretrained import FullCheckpointReader
-
-    reader = FullCheckpointReader(path, storage_options=options)
-    items = list(reader.read_metadata().storage_data.values())
-    parent, _, name = path.rstrip("/").rpartition("/")
-    size = open_store(parent, IOConfig.from_env(), options).size(name)
-    end = max((i.offset + i.length for i in items), default=0)
-    if end > size:
-        print(f"{path}: full checkpoint is truncated: its header needs {end} bytes, the file has {size}")
-        return 1
-    print(f"{path}: full checkpoint, {len(items)} tensors, header and sizes OK "
-          "(full checkpoints carry no checksums: verify the partial checkpoint it was exported from)")
-    return 0
+def _verify_full(path: str, options: dict[str, Any], quiet: bool) -> int:
+    """Check a full checkpoint against the checksums recorded in its sidecar."""
+    bar = _ProgressBar("verifying", quiet)
+    try:
+        report = verify_full(path, storage_options=options, progress=bar)
+    finally:
+        bar.close()
+    print(report)
+    if report.unchecked_items and not report.frames:
+        print("  (no checksums were recorded for this full checkpoint: only its header and size were checked)")
+    return 0 if report.ok else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:

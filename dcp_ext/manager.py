@@ -423,7 +423,7 @@ class CheckpointManager:
             if translate_if_full and translate_function is not None:
                 state = _translated(state, translate_function, f"full checkpoint {tag!r}")
             save_full(self.group, self.checkpoints.store, tag, state, fmt=full_format, user_content=encoded,
-                      overwrite=overwrite)
+                      overwrite=overwrite, frame_size=self.config.frame_size)
             return None
         if self.local is not None:
             return self._save_tiered(tag, model, optimizer, encoded, policy, async_save, overwrite, persist)

@@ -48,6 +48,7 @@ from ._ranges import Piece, plan_requests
 from ._safetensors import MAX_HEADER, parse_header
 from ._torch_format import tensor_bytes
 from .config import IOConfig
+from .full_checksums import FileChecksums, check_file_size, read_checksums
 from .errors import (
     CheckpointCorruptError,
     CheckpointKeyError,
@@ -64,6 +65,8 @@ __all__ = ["FullCheckpointReader", "load_pretrained", "PretrainedLoadReport"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+#: The files that make a folder a Hugging Face checkpoint.
+HF_MARKERS = (_INDEX, _SINGLE)
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,8 @@ class FullCheckpointReader(CheckpointReader):
         self.scales = {
             names[weight]: _Scale(weight, scale, tensors[scale]) for weight, scale in paired.items() if weight in names
         }
+        recorded = read_checksums(self.store, self._file)
+        sized: set[str] = set()
         state: dict[str, Any] = {}
         storage: dict[MetadataIndex, StoredItem] = {}
         for key, target in names.items():
@@ -192,8 +197,28 @@ class FullCheckpointReader(CheckpointReader):
                 size=torch.Size(info.shape),
                 chunks=[ChunkStorageMetadata(torch.Size(zeros), torch.Size(info.shape))],
             )
-            storage[MetadataIndex(target, zeros)] = StoredItem(info.file, info.offset, nbytes, 0, nbytes)
+            storage[MetadataIndex(target, zeros)] = self._stored_item(key, info, nbytes, recorded.get(info.file), sized)
         return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta())
+
+    def _stored_item(
+        self, key: str, info: _Tensor, nbytes: int, recorded: FileChecksums | None, sized: set[str]
+    ) -> StoredItem:
+        """Where ``key`` lies, with its frame checksums when its file has them recorded."""
+        entry = recorded.tensors.get(key) if recorded is not None else None
+        if recorded is None or entry is None:
+            return StoredItem(info.file, info.offset, nbytes, 0, nbytes)
+        where = self.store.describe(info.file)
+        if info.file not in sized:
+            check_file_size(recorded, self.store.size(info.file), where)
+            sized.add(info.file)
+        if (entry.offset, entry.length) != (info.offset, nbytes):
+            raise CheckpointCorruptError(
+                f"{where}: tensor {key!r} lies at bytes [{info.offset}, {info.offset + nbytes}) but its checksums "
+                f"were recorded for [{entry.offset}, {entry.offset + entry.length})",
+                where,
+            )
+        return StoredItem(info.file, info.offset, nbytes, 0, nbytes, frame_size=entry.frame_size,
+                          checksums=entry.checksums)
 
     def _tensors(self) -> dict[str, _Tensor]:
         store = self.store

@@ -20,6 +20,7 @@ from ._failpoints import crash_point
 from .config import IOConfig
 from .errors import CheckpointNotFoundError, DcpExtError
 from .layout import (
+    CHECKSUMS_SUFFIX,
     DATA_SUFFIX,
     NEWEST_FILE,
     PARTIAL_SUFFIX,
@@ -124,6 +125,7 @@ class CheckpointRoot:
         return [
             name for name in self.store.list_names()
             if name != NEWEST_FILE and not name.startswith(("user_content_", ".")) and TMP_MARK not in name
+            and not name.endswith(CHECKSUMS_SUFFIX)
         ]
 
     def committed(self) -> list[TagInfo]:
@@ -183,6 +185,8 @@ class CheckpointRoot:
             self.delete_partial(tag, referenced)
             self.sweep_retired(referenced)
         if full:
+            # The sidecar first: checksums never outlive the file they describe.
+            self.store.delete(tag + CHECKSUMS_SUFFIX)
             self.store.delete(tag)
             self.store.delete(user_content_name(tag))
 

@@ -104,10 +104,17 @@ def dequantize_slice(
         ``(values.to(float32) * scale).to(dtype)``, each element with its block's scale.
     """
     rows, cols = values.shape
+    out = torch.empty((rows, cols), dtype=dtype, device=values.device)
     if rows == 0 or cols == 0:
-        return torch.empty((rows, cols), dtype=dtype, device=values.device)
-    first_row = offsets[0] - box.row0 * block[0]
+        return out
     first_col = offsets[1] - box.col0 * block[1]
-    expanded = scales.to(torch.float32).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    expanded = expanded[first_row : first_row + rows, first_col : first_col + cols]
-    return (values.to(torch.float32) * expanded.to(values.device)).to(dtype)
+    # One row of blocks at a time: the temporaries stay block-rows high, not
+    # as large as the slice (a slice of a big expert matrix is hundreds of MB).
+    per_column = scales.to(torch.float32).repeat_interleave(block[1], 1)[:, first_col : first_col + cols]
+    per_column = per_column.to(values.device)
+    for i in range(box.row0, box.row1):
+        start = max(i * block[0], offsets[0]) - offsets[0]
+        stop = min((i + 1) * block[0], offsets[0] + rows) - offsets[0]
+        if stop > start:
+            out[start:stop] = (values[start:stop].to(torch.float32) * per_column[i - box.row0]).to(dtype)
+    return out

@@ -580,8 +580,7 @@ def load_pretrained(
         load_state[key] = _fp8_like(value, fp8.properties.dtype)
     planner = LayoutLoadPlanner(strict=True, keys=tuple(wanted))  # missing/unexpected handled above
     run_load(load_state, reader, planner, process_group)
-    for key, (value, scale) in quantized.items():
-        _dequantize_into(value, load_state[key], scale, reader, block)
+    _dequantize_all({key: (value, load_state[key], scale) for key, (value, scale) in quantized.items()}, reader, block)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return PretrainedLoadReport(
         loaded=tuple(sorted(wanted)),
@@ -624,48 +623,55 @@ def _fp8_like(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
-def _dequantize_into(
-    target: torch.Tensor,
-    fp8: torch.Tensor,
-    scale: _Scale,
+def _dequantize_all(
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, _Scale]],
     reader: FullCheckpointReader,
     block: tuple[int, int],
 ) -> None:
-    """(all ranks) Scale this rank's part of ``fp8`` into this rank's part of ``target``."""
-    where = reader.store.describe(scale.tensor.file)
-    expected = scale_shape(tuple(target.shape), block)
-    if scale.tensor.shape != expected:
-        raise CheckpointCorruptError(
-            f"{where}: scale {scale.scale_key!r} of {scale.weight_key!r} {tuple(target.shape)} has shape "
-            f"{scale.tensor.shape}, but {block[0]}x{block[1]} blocks need {expected}; pass the checkpoint's "
-            f"fp8_block_size",
-            where,
-        )
-    if not scale.tensor.dtype.is_floating_point or scale.tensor.dtype in FP8_DTYPES:
-        raise CheckpointCorruptError(f"{where}: scale {scale.scale_key!r} is {scale.tensor.dtype}", where)
-    local, offsets = _local_part(target)
-    values, _ = _local_part(fp8)
-    if local.numel() == 0:
-        return
-    box = scale_box((offsets[0], offsets[1]), (local.shape[0], local.shape[1]), block)
-    scales = _read_scale_box(reader, scale.tensor, box)
+    """(all ranks) For each ``key: (target, fp8, scale)``, scale this rank's part
+    of ``fp8`` into this rank's part of ``target``.
+
+    The scale blocks of all weights are fetched in one parallel batch of
+    ranged reads: a model with thousands of FP8 weights on S3 must not wait
+    for one round trip per weight.
+    """
+    jobs = []
+    pieces: list[Piece] = []
+    for target, fp8, scale in weights.values():
+        where = reader.store.describe(scale.tensor.file)
+        expected = scale_shape(tuple(target.shape), block)
+        if scale.tensor.shape != expected:
+            raise CheckpointCorruptError(
+                f"{where}: scale {scale.scale_key!r} of {scale.weight_key!r} {tuple(target.shape)} has shape "
+                f"{scale.tensor.shape}, but {block[0]}x{block[1]} blocks need {expected}; pass the checkpoint's "
+                f"fp8_block_size",
+                where,
+            )
+        if not scale.tensor.dtype.is_floating_point or scale.tensor.dtype in FP8_DTYPES:
+            raise CheckpointCorruptError(f"{where}: scale {scale.scale_key!r} is {scale.tensor.dtype}", where)
+        local, offsets = _local_part(target)
+        values, _ = _local_part(fp8)
+        if local.numel() == 0:
+            continue
+        box = scale_box((offsets[0], offsets[1]), (local.shape[0], local.shape[1]), block)
+        scales = torch.empty(box.shape, dtype=scale.tensor.dtype)
+        pieces += _scale_pieces(scale.tensor, box, scales)
+        jobs.append((local, values, offsets, scales, box))
+    store = reader.store
+    store.read(plan_requests(pieces, gap=store.coalesce_gap, max_request=reader.config.read_request_size))
     with torch.no_grad():
-        local.copy_(dequantize_slice(values, (offsets[0], offsets[1]), scales, box, block, local.dtype))
+        for local, values, offsets, scales, box in jobs:
+            local.copy_(dequantize_slice(values, (offsets[0], offsets[1]), scales, box, block, local.dtype))
 
 
-def _read_scale_box(reader: FullCheckpointReader, info: _Tensor, box: ScaleBox) -> torch.Tensor:
-    """The scale blocks ``box`` of the scale tensor ``info``: one ranged read per
-    row of blocks (rows next to each other merge into one request)."""
-    out = torch.empty(box.shape, dtype=info.dtype)
+def _scale_pieces(info: _Tensor, box: ScaleBox, out: torch.Tensor) -> list[Piece]:
+    """Ranged reads of the scale blocks ``box`` of the scale tensor ``info`` into
+    ``out``: one per row of blocks (rows next to each other merge into one request)."""
     view = tensor_bytes(out)
     esize = info.dtype.itemsize
     width = (box.col1 - box.col0) * esize
     cols = info.shape[1]
-    pieces = [
+    return [
         Piece(info.file, info.offset + (row * cols + box.col0) * esize, view[i * width : (i + 1) * width])
         for i, row in enumerate(range(box.row0, box.row1))
     ]
-    store = reader.store
-    store.read(plan_requests(pieces, gap=store.coalesce_gap, max_request=reader.config.read_request_size))
-    return out
-

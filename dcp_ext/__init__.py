@@ -38,6 +38,7 @@ from .errors import (
 from .hf_export import HFExportReport, export_hf, save_hf
 from .integrity import Problem, VerifyReport, verify, verify_full
 from .layout import InvalidTagError, MeshInfo, Partition, RankPartition, TagInfo
+from .model_registry import register_model, registered_model
 from .manager import CheckpointManager, ResumeResult, close_checkpoints, resume_from_checkpoint, save_checkpoint
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
 from .pretrained import FullCheckpointReader, PretrainedLoadReport, load_pretrained
@@ -69,6 +70,8 @@ __all__ = [
     "save_checkpoint",
     "resume_from_checkpoint",
     "close_checkpoints",
+    "register_model",
+    "registered_model",
     "load_pretrained",
     "PretrainedLoadReport",
     "save_hf",

@@ -63,6 +63,7 @@ from .errors import (
 from .full import save_full
 from .hf_layout import HF_INDEX_FILE
 from .incremental import DEFAULT_MAX_CHAIN, IncrementalSave, restart_reason
+from .key_map import KeyMap, TranslateFunction, rename_keys
 from .layout import (
     PARTITION_FILE,
     USER_CONTENT_FILE,
@@ -74,6 +75,7 @@ from .layout import (
     validate_tag,
 )
 from .metadata import METADATA_FILE, read_incremental_section
+from .model_registry import with_registered
 from .nodes import NodeMap
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
 from .pretrained import load_pretrained
@@ -350,6 +352,8 @@ class CheckpointManager:
         include_optimizer: bool = False,
         retention: RetentionPolicy | None = None,
         persist: bool = False,
+        translate_if_full: bool = True,
+        translate_function: TranslateFunction | None = None,
         max_shard_size: int | str = "5GB",
         dtype: torch.dtype | None = None,
         hf_config: dict[str, Any] | str | None = None,
@@ -358,7 +362,8 @@ class CheckpointManager:
 
         Args:
             tag: The checkpoint's name (see :func:`dcp_ext.layout.validate_tag`).
-            model: Plain, DDP, FSDP2 or tensor-parallel module.
+            model: Plain, DDP, FSDP2 or tensor-parallel module (default: the
+                one given to :func:`dcp_ext.register_model`, with its optimizer).
             optimizer: Its optimizer (partial checkpoints only, unless
                 ``include_optimizer``).
             user_content: Extra state (see :mod:`dcp_ext.user_content`);
@@ -386,6 +391,15 @@ class CheckpointManager:
                 applies to the persistent root.
             persist: With a local tier: drain this save to the root even if
                 it is not a ``persist_every``-th one.
+            translate_if_full: Full checkpoints: rename the keys with
+                ``translate_function`` before writing (``False``: write the
+                model's own keys). dcp_ext has no built-in translations (the
+                SageMaker library's "supported models out of the box"), so
+                without ``translate_function`` this changes nothing.
+            translate_function: Full checkpoints: called with the list of all
+                keys being saved, returns ``{model key: saved key}`` (keys
+                absent keep their name, ``None`` leaves a key out), e.g. back
+                to the original implementation's names. Not for partial saves.
             max_shard_size: ``full_format="hf"``: most bytes of tensor data per file.
             dtype: ``full_format="hf"``: cast floating tensors to this dtype.
             hf_config: ``full_format="hf"``: the ``config.json`` to write (dict or JSON string).
@@ -398,8 +412,11 @@ class CheckpointManager:
                 ``newest`` or retention failed.
         """
         validate_tag(tag)
+        model, optimizer = with_registered(model, optimizer)
         if model is None and optimizer is None:
-            raise ValueError("save needs a model and/or an optimizer")
+            raise ValueError(_NO_MODEL.format(call="save"))
+        if partial and translate_function is not None:
+            raise ValueError("translate_function applies to full checkpoints (partial=False) only")
         if num_kept_partial_checkpoints is not None and retention is not None:
             raise ValueError("pass num_kept_partial_checkpoints or retention, not both")
         policy = KeepLast(num_kept_partial_checkpoints) if num_kept_partial_checkpoints is not None else (
@@ -413,6 +430,8 @@ class CheckpointManager:
             if model is None:
                 raise ValueError("a full checkpoint needs the model")
             state = _full_state(model, optimizer if include_optimizer else None)
+            if translate_if_full and translate_function is not None:
+                state = _translated(state, translate_function, f"full checkpoint {tag!r}")
             if full_format == "hf":
                 self._save_hf(tag, state, encoded, overwrite, max_shard_size, dtype, hf_config)
                 return None
@@ -670,12 +689,17 @@ class CheckpointManager:
         partial: bool = True,
         strict: bool = True,
         allow_dtype_cast: bool = False,
+        load_optimizer: bool = True,
+        load_sharded_optimizer_state: bool = True,
+        key_map: KeyMap | None = None,
+        translate_function: TranslateFunction | None = None,
     ) -> ResumeResult:
         """(all ranks) Load a checkpoint into ``model`` / ``optimizer`` in place.
 
         Args:
             model: Plain, DDP, FSDP2 or tensor-parallel module (for full
-                checkpoints it may be on the meta device).
+                checkpoints it may be on the meta device). Default: the one
+                given to :func:`dcp_ext.register_model`, with its optimizer.
             optimizer: Its optimizer (partial checkpoints).
             tag: Which checkpoint; ``None`` means the newest committed one.
             partial: Load ``{tag}_partial/`` (``True``) or the full file ``ROOT/{tag}``.
@@ -683,6 +707,21 @@ class CheckpointManager:
                 or holds model/optimizer keys they do not have. Without an
                 optimizer only the model is loaded (a selective load).
             allow_dtype_cast: Load tensors saved in another dtype by casting.
+            load_optimizer: ``False``: load only the model from a partial
+                checkpoint, even when an optimizer is passed or registered
+                (it is left untouched).
+            load_sharded_optimizer_state: Accepted for the SageMaker API;
+                ``True`` and ``False`` load the same thing. Under DCP each rank
+                always reads its own shard of the optimizer state, resharded to
+                the current layout, so there is no separate "full optimizer
+                state" load to choose.
+            key_map: Full checkpoints: rename checkpoint keys to model keys
+                (a callable, ``None`` skipping a key, or a dict; see
+                :func:`dcp_ext.load_pretrained`).
+            translate_function: Full checkpoints, SageMaker style: called
+                with the list of all checkpoint keys, returns ``{checkpoint
+                key: model key}`` (keys absent keep their name), e.g. from the
+                original implementation's names to a tensor-parallel model's.
 
         The checkpoint may have been saved by any world size and parallel
         layout (resharding); when ``partition.json`` shows the same world size
@@ -693,18 +732,28 @@ class CheckpointManager:
             CheckpointKeyError: Missing / unexpected keys (``strict``).
             ReshardError: A shape or dtype differs, or the layout cannot be filled.
         """
+        if not isinstance(load_sharded_optimizer_state, bool):
+            raise TypeError(f"load_sharded_optimizer_state must be a bool, got {load_sharded_optimizer_state!r}")
+        if partial and (key_map is not None or translate_function is not None):
+            raise ValueError(
+                "key_map / translate_function apply to full checkpoints (partial=False); a partial "
+                "checkpoint is loaded by the keys it was saved with"
+            )
+        model, optimizer = with_registered(model, optimizer)
+        if not load_optimizer:
+            optimizer = None
         if partial and self.local is not None:
             if model is None:
-                raise ValueError("resume needs the model (and optionally its optimizer)")
+                raise ValueError(_NO_MODEL.format(call="resume"))
             return self._resume_tiered(tag, model, optimizer, strict, allow_dtype_cast)
         follow_newest = tag is None
         if tag is None:
             tag = self.group.run_on_coordinator(self._newest_or_raise)
         validate_tag(tag)
         if not partial:
-            return self._resume_full(tag, model, strict)
+            return self._resume_full(tag, model, strict, key_map, translate_function)
         if model is None:
-            raise ValueError("resume needs the model (and optionally its optimizer)")
+            raise ValueError(_NO_MODEL.format(call="resume"))
         for attempt in range(_RESUME_ATTEMPTS):
             try:
                 return self._resume_partial(tag, model, optimizer, strict, allow_dtype_cast)
@@ -831,9 +880,16 @@ class CheckpointManager:
         )
         return ResumeResult(tag, user_content, True)
 
-    def _resume_full(self, tag: str, model: nn.Module | None, strict: bool) -> ResumeResult:
+    def _resume_full(
+        self,
+        tag: str,
+        model: nn.Module | None,
+        strict: bool,
+        key_map: KeyMap | None = None,
+        translate_function: TranslateFunction | None = None,
+    ) -> ResumeResult:
         if model is None:
-            raise ValueError("resume from a full checkpoint needs the model")
+            raise ValueError(_NO_MODEL.format(call="resume from a full checkpoint"))
         store = self.checkpoints.store
         if not store.exists(tag) and not store.exists(f"{tag}/{HF_INDEX_FILE}"):
             raise CheckpointNotFoundError(
@@ -841,8 +897,8 @@ class CheckpointManager:
                 store.describe(tag),
             )
         load_pretrained(
-            model, join_path(self.root, tag), strict=strict, storage_options=self.storage_options, process_group=self.process_group,
-            config=self.config,
+            model, join_path(self.root, tag), strict=strict, key_map=key_map, translate_function=translate_function,
+            storage_options=self.storage_options, process_group=self.process_group, config=self.config,
         )
         raw = _read_optional(store, user_content_name(tag))
         content = None if raw is None else decode_user_content(raw, store.describe(user_content_name(tag)))
@@ -1083,6 +1139,18 @@ def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> di
     return state
 
 
+def _translated(state: dict[str, Any], translate_function: TranslateFunction, where: str) -> dict[str, Any]:
+    """``state`` with its keys renamed by ``translate_function`` (``None`` leaves a key out)."""
+    names = rename_keys(list(state), translate_function=translate_function, where=where)
+    return {names[key]: value for key, value in state.items() if key in names}
+
+
+_NO_MODEL = (
+    "{call} needs the model: pass model=, or call dcp_ext.register_model(model, optimizer) once on every "
+    "rank after sharding it (the SageMaker library finds its DistributedModel the same way)"
+)
+
+
 def _read_optional(store: Store, name: str) -> bytes | None:
     try:
         return store.read_file(name)
@@ -1101,9 +1169,17 @@ def save_checkpoint(
     num_kept_partial_checkpoints: int | None = None,
     async_save: bool = False,
     storage_options: dict[str, Any] | None = None,
+    translate_if_full: bool = True,
+    translate_function: TranslateFunction | None = None,
     **kwargs: Any,
 ) -> AsyncSaveHandle | None:
     """(all ranks) ``smp.save_checkpoint`` on DCP; see :meth:`CheckpointManager.save`.
+
+    Without ``model``, the model given to :func:`dcp_ext.register_model` is
+    saved (with its optimizer unless ``optimizer`` is passed).
+    ``translate_if_full`` / ``translate_function``: full saves rename keys
+    before writing (dcp_ext has no built-in translations: without a
+    ``translate_function``, ``translate_if_full`` changes nothing).
 
     Extra keyword arguments: ``process_group``, ``mesh``, ``config``,
     ``compression``, ``async_uploads``, ``local_tier``, ``persist_every``,
@@ -1123,7 +1199,8 @@ def save_checkpoint(
     manager = _shared_manager(path, storage_options, manager_args)
     return manager.save(
         tag, model, optimizer, user_content, partial=partial,
-        num_kept_partial_checkpoints=num_kept_partial_checkpoints, async_save=async_save, **kwargs,
+        num_kept_partial_checkpoints=num_kept_partial_checkpoints, async_save=async_save,
+        translate_if_full=translate_if_full, translate_function=translate_function, **kwargs,
     )
 
 
@@ -1169,14 +1246,29 @@ def resume_from_checkpoint(
     strict: bool = True,
     storage_options: dict[str, Any] | None = None,
     allow_dtype_cast: bool = False,
+    load_optimizer: bool = True,
+    load_sharded_optimizer_state: bool = True,
+    translate_function: TranslateFunction | None = None,
+    key_map: KeyMap | None = None,
     **kwargs: Any,
 ) -> ResumeResult:
     """(all ranks) ``smp.resume_from_checkpoint`` on DCP; see :meth:`CheckpointManager.resume`.
+
+    Without ``model``, the model given to :func:`dcp_ext.register_model` is
+    loaded (with its optimizer unless ``optimizer`` is passed), so the
+    SageMaker fine-tuning call ``resume_from_checkpoint(model_dir,
+    tag="fullmodel.pt", partial=False)`` works as written once the model is
+    registered. ``load_optimizer=False`` loads the model only;
+    ``load_sharded_optimizer_state`` is accepted and changes nothing (each
+    rank always reads its shard, resharded); ``translate_function`` /
+    ``key_map`` rename keys of full checkpoints.
 
     Returns:
         The tag loaded and its ``user_content``.
     """
     manager = CheckpointManager(path, storage_options=storage_options, **kwargs)
     return manager.resume(
-        model, optimizer, tag=tag, partial=partial, strict=strict, allow_dtype_cast=allow_dtype_cast
+        model, optimizer, tag=tag, partial=partial, strict=strict, allow_dtype_cast=allow_dtype_cast,
+        load_optimizer=load_optimizer, load_sharded_optimizer_state=load_sharded_optimizer_state,
+        key_map=key_map, translate_function=translate_function,
     )

@@ -179,6 +179,10 @@ def test_one_process_exports_cli_and_manager(tmp_path: Path) -> None:
     manager.delete("f1", partial=False)
     assert os.listdir(tmp_path / "root" / "f1") == ["notes.txt"]
     assert manager.tags() == ["p1"] and manager.checkpoints.hf_folders() == ["p1hf"]
+    # The manager's key translation applies to the folder too.
+    dcp_ext.save_checkpoint(tmp_path / "root", "renamed", model, partial=False, full_format="hf",
+                            translate_function=lambda keys: {k: f"net.{k}" for k in keys})
+    _assert_equal(_folder(tmp_path / "root" / "renamed"), {f"net.{k}": v for k, v in model.state_dict().items()})
     # A single-file checkpoint where a folder is to go: refused, then replaced with overwrite.
     dcp_ext.save_checkpoint(tmp_path / "root", "one", model, partial=False)
     with pytest.raises(dcp_ext.CheckpointExistsError, match="^Checkpoint already exists"):

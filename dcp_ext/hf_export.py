@@ -256,6 +256,18 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def _check_cpu_backend(group: GroupView) -> None:
+    """Slices travel as CPU tensors: the group needs a backend that sends them."""
+    if not group.distributed:
+        return
+    backend = str(dist.get_backend(group.group))
+    if "gloo" not in backend and "mpi" not in backend:
+        raise ValueError(
+            f"save_hf exchanges CPU tensors, which the {backend!r} process group cannot send: pass "
+            f"process_group=dist.new_group(backend='gloo'), or initialize with backend='cpu:gloo,cuda:nccl'"
+        )
+
+
 def _check_dtype(dtype: torch.dtype | None) -> None:
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype (it casts floating tensors), got {dtype!r}")
@@ -718,7 +730,10 @@ def save_hf(
             written as given.
         overwrite: Replace an existing export in the folder.
         process_group: The ranks that hold ``state`` (default group; no
-            group: one process writes everything).
+            group: one process writes everything). Slices travel between
+            ranks as CPU tensors, so its backend must send those (gloo, or
+            ``"cpu:gloo,cuda:nccl"``); CUDA tensors are copied to the CPU
+            on the rank that holds them.
         storage_options: fsspec/s3fs options.
         config: I/O tunables (``frame_size`` sets the checksum frames).
 
@@ -730,7 +745,8 @@ def save_hf(
         DcpExtError: Writing failed on some rank (every rank, the same error;
             of the failure's own class when it is a dcp_ext error).
         TypeError: A dtype safetensors cannot store (every rank, before writing).
-        ValueError: The ranks' states differ, or ``config_json`` is not JSON.
+        ValueError: The ranks' states differ, ``config_json`` is not JSON,
+            ``dtype`` is not floating, or the group cannot send CPU tensors.
     """
     return write_live_state(state, path, max_shard_size=max_shard_size, dtype=dtype, config_json=config_json,
                             overwrite=overwrite, process_group=process_group, storage_options=storage_options,
@@ -797,6 +813,7 @@ def write_live_state(
     group = GroupView(process_group)
     io_config = config or IOConfig.from_env()
     store = open_store(path, io_config, storage_options)
+    _check_cpu_backend(group)
     live = _LiveState(group, state, dtype)
     plan = _make_plan(live.tensors, group.world_size, max_shard_size, config_json, store.describe(), live.local_bytes)
     transfers = live.plan(plan.files, plan.owners)

@@ -4,7 +4,8 @@ The SageMaker model-parallel workflow on open PyTorch (DCP with plain, DDP,
 FSDP2 and tensor-parallel models) in the layout of :mod:`dcp_ext.layout`. The
 manager orchestrates; each job has its own module: the root's tags,
 ``newest``, deletion and leftovers (:mod:`dcp_ext.root`), retention policies
-(:mod:`dcp_ext.retention`), full checkpoints (:mod:`dcp_ext.full`), DCP calls
+(:mod:`dcp_ext.retention`), full checkpoints (:mod:`dcp_ext.full`; Hugging Face
+folders: :mod:`dcp_ext.hf_export`), DCP calls
 (:mod:`dcp_ext._dcp_calls`), the process group (:mod:`dcp_ext.process_group`).
 
 Order of a partial save (each step only after the previous one succeeded):

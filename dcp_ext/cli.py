@@ -346,12 +346,17 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     path = normalize_path(args.checkpoint).rstrip("/")
     root, _, name = path.rpartition("/")
-    if not name.endswith(PARTIAL_SUFFIX):
-        raise ValueError(f"{path} is not a partial checkpoint directory (its name must end with {PARTIAL_SUFFIX})")
+    out: str | None
+    if name.endswith(PARTIAL_SUFFIX):  # export ROOT/TAG_partial OUT
+        out = normalize_path(args.out)
+        if "/" not in out:
+            out = "./" + out
+    elif "/" not in args.out:  # export ROOT TAG: into the root, as the tag
+        root, name, out = path, args.out + PARTIAL_SUFFIX, None
+    else:
+        raise ValueError(f"{path} is not a partial checkpoint directory (its name must end with {PARTIAL_SUFFIX}); "
+                         f"pass ROOT/TAG{PARTIAL_SUFFIX} OUT, or ROOT TAG")
     manager = CheckpointManager(root, storage_options=_options(args))
-    out = normalize_path(args.out)
-    if "/" not in out:
-        out = "./" + out
     hf: dict[str, Any] = {}
     if args.format == "hf":
         hf = {"max_shard_size": args.max_shard_size, "dtype": _EXPORT_DTYPES[args.dtype] if args.dtype else None,
@@ -434,9 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-copy", action="store_true",
                    help="a node's copy in a local tier: check the files it has, list the others as absent")
     storage(p)
-    p = commands.add_parser("export", help="write a full single-file checkpoint from a partial one")
-    p.add_argument("checkpoint", help="ROOT/{tag}_partial")
-    p.add_argument("out", help="output file path or URL")
+    p = commands.add_parser("export", help="write a full checkpoint (one file, or a Hugging Face folder) from a "
+                                           "partial one")
+    p.add_argument("checkpoint", help="ROOT/{tag}_partial, or ROOT (then OUT is the tag, written as ROOT/{tag})")
+    p.add_argument("out", help="output file or folder path or URL, or the tag when CHECKPOINT is ROOT")
     p.add_argument("--format", choices=("safetensors", "torch", "hf"), default="safetensors",
                    help="safetensors (default), a torch.save file of a {name: tensor} dict, or hf: a Hugging "
                         "Face folder (sharded safetensors + model.safetensors.index.json)")

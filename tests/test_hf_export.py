@@ -168,17 +168,19 @@ def test_one_process_exports_cli_and_manager(tmp_path: Path) -> None:
     assert len(json.loads((tmp_path / "cli" / INDEX).read_text())["weight_map"]) == 4
     _assert_equal(_folder(tmp_path / "cli"), {k: v.bfloat16() for k, v in model.state_dict().items()})
     assert cli(["export", str(tmp_path / "root" / "p1_partial"), str(tmp_path / "cli"), "--format", "hf", "-q"]) == 2
+    assert cli(["export", str(tmp_path / "root"), "p1", "--format", "hf", "-q"]) == 0  # ROOT TAG: ROOT/p1/
+    _assert_equal(_folder(tmp_path / "root" / "p1"), dict(model.state_dict()))
 
     # Full saves as folders: ls lists them, resume loads them, delete removes only dcp_ext's files.
     dcp_ext.save_checkpoint(tmp_path / "root", "f1", model, partial=False, full_format="hf", max_shard_size=20_000)
     fresh = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.ReLU(), torch.nn.Linear(300, 24))
     assert manager.resume(fresh, tag="f1", partial=False).tag == "f1"
     _assert_equal(dict(fresh.state_dict()), dict(model.state_dict()))
-    assert sorted(manager.checkpoints.hf_folders()) == ["f1", "p1hf"]
+    assert sorted(manager.checkpoints.hf_folders()) == ["f1", "p1", "p1hf"]
     (tmp_path / "root" / "f1" / "notes.txt").write_text("not ours")
     manager.delete("f1", partial=False)
     assert os.listdir(tmp_path / "root" / "f1") == ["notes.txt"]
-    assert manager.tags() == ["p1"] and manager.checkpoints.hf_folders() == ["p1hf"]
+    assert manager.tags() == ["p1"] and manager.checkpoints.hf_folders() == ["p1", "p1hf"]
     # The manager's key translation applies to the folder too.
     dcp_ext.save_checkpoint(tmp_path / "root", "renamed", model, partial=False, full_format="hf",
                             translate_function=lambda keys: {k: f"net.{k}" for k in keys})

@@ -645,12 +645,16 @@ def _finish_folder(store: Store, plan: _Plan, outcomes: Sequence[_Outcome], exis
         if extra is not None:
             extra[0].write_file(extra[1], extra[2])
             written.append((extra[0], extra[1]))
+        new = [f.name for f in plan.files]
+        if HF_SINGLE_FILE in existing and HF_SINGLE_FILE not in new:
+            # Before the index: transformers loads model.safetensors in
+            # preference to any index, so the old one must not outlive it.
+            store.delete(HF_SINGLE_FILE)
         store.write_file(HF_INDEX_FILE, index_document(plan.tensors, plan.files))
     except BaseException:
         for target, name in written + [(store, f.name) for f in plan.files]:
             _delete_quietly(target, name)
         raise
-    new = [f.name for f in plan.files]
     for name in stale_shards(existing, new) + [n for n in existing if TMP_MARK in n and n.startswith("model")]:
         _delete_quietly(store, name)
 

@@ -149,6 +149,11 @@ def test_one_process_exports_cli_and_manager(tmp_path: Path) -> None:
     assert report.total_bytes == sum(t.numel() * t.element_size() for t in reference.values())
     _assert_equal(_folder(tmp_path / "plain"), reference)
     assert dcp_ext.verify_full(tmp_path / "plain").ok
+    # An overwrite of one file by several: model.safetensors (which transformers would load first) goes.
+    dcp_ext.save_hf(state, tmp_path / "one")
+    dcp_ext.save_hf(state, tmp_path / "one", max_shard_size=20_000, overwrite=True)
+    shards = [f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)]
+    assert sorted(os.listdir(tmp_path / "one")) == [FOLDER_SIDECAR, *shards, INDEX]
     with pytest.raises(ValueError, match="floating"):
         dcp_ext.save_hf(state, tmp_path / "int", dtype=torch.int8)
     assert not (tmp_path / "int").exists()

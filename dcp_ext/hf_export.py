@@ -28,7 +28,9 @@ raise the same error naming the rank, file and tensor; the files this
 attempt wrote are deleted and no index is written. ``overwrite=True``
 deletes the old index before anything else, so the folder is never a
 committed export mixing old and new files; the old weights files the new
-export does not replace are deleted once its index is committed.
+export does not replace are deleted once its index is committed (an old
+``model.safetensors`` just before: transformers loads it in preference to
+any index).
 """
 
 from __future__ import annotations

@@ -319,6 +319,7 @@ class _LiveState:
         self.held = [[theirs[i][3] for theirs in every] for i in range(len(items))]
         self.scratch = _Scratch()  # the tensor this rank assembles
         self.send_scratch: list[_Scratch] = []  # casts or copies of what it sends, one per send of a step
+        self.recv_scratch: list[_Scratch] = []  # slices it receives that are not contiguous in the tensor
         self.tensors = [
             HFTensor(k, _stored_dtype(v.dtype, cast_to), tuple(int(s) for s in v.shape)) for k, v in items
         ]
@@ -422,8 +423,10 @@ class _LiveState:
                 view.copy_(self._own_slice(index, sink, file, transfer.box.sizes, cast_here=False))
             elif view.is_contiguous():
                 works.append(_irecv(self.group, view, transfer.source, step))
-            else:
-                received = torch.empty(transfer.box.sizes, dtype=spec.dtype)
+            else:  # a column block (Shard(1)): received whole, then copied into place
+                while len(self.recv_scratch) <= len(copies):
+                    self.recv_scratch.append(_Scratch())
+                received = self.recv_scratch[len(copies)].tensor(spec.dtype, transfer.box.sizes)
                 works.append(_irecv(self.group, received, transfer.source, step))
                 copies.append((received, view))
         return whole

@@ -35,6 +35,7 @@ any index).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -416,9 +417,7 @@ class _LiveState:
             return self._own_slice(index, sink, file, spec.shape)  # held whole here: no copy unless cast
         whole = self.scratch.tensor(spec.dtype, spec.shape)
         for transfer in transfers:
-            view = whole
-            for dim, (offset, size) in enumerate(zip(transfer.box.offsets, transfer.box.sizes)):
-                view = view.narrow(dim, offset, size)
+            view = _box_view(whole, transfer.box.offsets, transfer.box.sizes)
             if transfer.source == me:
                 view.copy_(self._own_slice(index, sink, file, transfer.box.sizes, cast_here=False))
             elif view.is_contiguous():
@@ -470,6 +469,14 @@ class _LiveState:
         except Exception as err:  # noqa: BLE001 - shared with every rank
             sink.fail(file, index, err)
             return torch.zeros(box.sizes, dtype=dtype)
+
+
+def _box_view(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The slice ``offsets``/``sizes`` of ``tensor`` (a view)."""
+    view = tensor
+    for dim, (offset, size) in enumerate(zip(offsets, sizes)):
+        view = view.narrow(dim, int(offset), int(size))
+    return view
 
 
 def _held_slices(key: str, value: torch.Tensor) -> tuple[Box, ...]:
@@ -524,6 +531,7 @@ class _StoredState:
         metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(metadata, True)
         self.scratch = _Scratch()
+        self.block_scratch = _Scratch()  # column blocks, one at a time
         stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self.chosen = _exported_keys(list(stored), include_optimizer)
         self.metadata = [stored[k] for _, k in self.chosen]
@@ -549,7 +557,21 @@ class _StoredState:
             )
             for row, chunk in enumerate(md.chunks)
         ]
-        self.reader.read_data(LoadPlan(items), cast(LoadPlanner, _IntoTensor(dest)))
+        # Chunks whose place in the tensor is contiguous (row blocks) land
+        # there directly, all in one parallel read; a column block would be
+        # staged by the reader, all blocks at once, so each is read into a
+        # reused block buffer in turn and copied into place.
+        direct = [item for item in items if _box_view(dest, item.dest_offsets, item.lengths).is_contiguous()]
+        if direct:
+            self.reader.read_data(LoadPlan(direct), cast(LoadPlanner, _IntoTensor(dest)))
+        for item in items:
+            view = _box_view(dest, item.dest_offsets, item.lengths)
+            if view.is_contiguous():
+                continue
+            block = self.block_scratch.tensor(dest.dtype, tuple(int(n) for n in item.lengths))
+            at_zero = dataclasses.replace(item, dest_offsets=torch.Size((0,) * len(item.lengths)))
+            self.reader.read_data(LoadPlan([at_zero]), cast(LoadPlanner, _IntoTensor(block)))
+            view.copy_(block)
         return dest.to(self.tensors[index].dtype)  # a view of the scratch buffer unless cast
 
     def run(self, sink: _FileSink, files: Sequence[HFFile], owners: Sequence[int], rank: int,

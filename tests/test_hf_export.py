@@ -83,7 +83,8 @@ def test_minilm_from_two_ranks_loads_in_transformers(tmp_path: Path) -> None:
     shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 
     # Live FSDP2 and TP state, and the partial checkpoint, give the same folder.
-    for name, written in (("fsdp", "fsdp"), ("tp", "tp"), ("from_partial", "partial"), ("root/full1", None)):
+    for name, written in (("fsdp", "fsdp"), ("tp", "tp"), ("from_partial", "partial"), ("root/full1", None),
+                          ("tp_from_partial", None)):
         folder = tmp_path / name
         assert _check_index(folder, persistent) == shards, name
         _assert_equal(_folder(folder), persistent)

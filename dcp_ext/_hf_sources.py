@@ -1,15 +1,16 @@
-"""Where the tensors of a Hugging Face export come from, one at a time, on the rank that writes them.
+"""Where the tensors of a Hugging Face export come from, on the rank that writes them.
 
 * :class:`LiveState`: training state (tensors and DTensors) spread over the
   ranks. Every rank learns who holds which slice (one ``all_gather``); then
-  in step ``k`` every writer assembles the ``k``-th tensor of its files from
-  the slices the others send it (point-to-point), a slice several ranks hold
-  coming from one of them (none at all when the writer holds it).
+  in step ``k`` every writer assembles the ``k``-th batch of its files'
+  tensors (:func:`step_bytes` at most) from the slices the others send it
+  (point-to-point), a slice several ranks hold coming from one of them
+  (none at all when the writer holds it).
 * :class:`StoredState`: a partial checkpoint on storage; each writer reads
-  its own tensors with ranged reads, nothing is exchanged.
+  its own tensors, one at a time, with ranged reads; nothing is exchanged.
 
-Each rank assembles or reads every tensor into one reused buffer
-(:class:`Scratch`), so it holds about one tensor beyond its own state.
+Each rank assembles or reads into reused buffers (:class:`Arena`), so it
+holds about one batch (one tensor, from storage) beyond its own state.
 """
 
 from __future__ import annotations
@@ -30,28 +31,48 @@ from .hf_layout import Box, HFFile, HFTensor, Transfer, plan_transfers
 from .process_group import GroupView
 from .reader import CheckpointReader
 
-__all__ = ["LiveState", "StoredState", "Scratch", "check_cpu_backend", "exported_keys", "stored_dtype"]
+__all__ = ["LiveState", "StoredState", "Arena", "check_cpu_backend", "exported_keys", "stored_dtype"]
 
 
-class Scratch:
-    """One reused buffer that each tensor in turn is assembled or read into.
+class Arena:
+    """Reused memory for the tensors of one step (or one tensor), handed out in order.
 
-    A fresh allocation per tensor would cost its page faults every time,
+    Fresh allocations per tensor would cost their page faults every time,
     and gloo keeps its last received tensor alive until its next operation,
-    so the previous tensor's memory would still be held while the next one
-    fills: the high-water mark would be two tensors instead of one.
+    so the previous step's memory would still be held while the next one
+    fills: the high-water mark would be two steps instead of one. Each step
+    starts with :meth:`reset` to the bytes it needs.
     """
+
+    #: Every tensor starts at a multiple of this (any dtype's alignment).
+    ALIGN = 64
 
     def __init__(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._used = 0
 
-    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """An uninitialized tensor over the buffer (valid until the next call)."""
-        nbytes = _numel(shape) * dtype.itemsize
-        if nbytes > self._buffer.numel():
+    @classmethod
+    def size_of(cls, dtype: torch.dtype, shape: Sequence[int]) -> int:
+        """Bytes :meth:`take` uses for such a tensor."""
+        return -(-_numel(shape) * dtype.itemsize // cls.ALIGN) * cls.ALIGN
+
+    def reset(self, capacity: int) -> None:
+        """Start handing out memory from the beginning, ``capacity`` bytes of it
+        (the buffer grows if needed; earlier tensors must no longer be used)."""
+        self._used = 0
+        if capacity > self._buffer.numel():
             self._buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes first
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self._buffer[:nbytes].view(dtype).reshape(shape)
+            self._buffer = torch.empty(capacity, dtype=torch.uint8)
+
+    def take(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """An uninitialized tensor in the next free bytes."""
+        size = self.size_of(dtype, shape)
+        if self._used + size > self._buffer.numel():
+            raise RuntimeError(f"arena of {self._buffer.numel()} bytes cannot hold {size} more (planning error)")
+        nbytes = _numel(shape) * dtype.itemsize
+        view = self._buffer[self._used : self._used + nbytes].view(dtype).reshape(tuple(shape))
+        self._used += size
+        return view
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -117,9 +138,9 @@ class LiveState:
                         f"tensor {key!r}: rank {rank} has {dtype} {list(shape)}, rank 0 has {dtype0} {list(shape0)}"
                     )
         self.held = [[theirs[i][3] for theirs in every] for i in range(len(items))]
-        self.scratch = Scratch()  # the tensor this rank assembles
-        self.send_scratch: list[Scratch] = []  # casts or copies of what it sends, one per send of a step
-        self.recv_scratch: list[Scratch] = []  # slices it receives that are not contiguous in the tensor
+        self.arena = Arena()  # the tensors this rank assembles in a step
+        self.send_arena = Arena()  # casts or copies of what it sends in a step
+        self.recv_arena = Arena()  # slices it receives that are not contiguous in their tensor
         self.tensors = [
             HFTensor(k, stored_dtype(v.dtype, cast_to), tuple(int(s) for s in v.shape)) for k, v in items
         ]
@@ -144,103 +165,128 @@ class LiveState:
                 transfers[i] = plan_transfers(self.tensors[i].name, self.tensors[i].shape, owner, self.held[i])
         return transfers
 
-    def local_slice(self, index: int) -> torch.Tensor:
-        """This rank's slice of tensor ``index`` in its stored dtype, contiguous,
-        on the CPU: the local tensor itself, or a copy in the scratch buffer
-        (for a tensor the writer holds whole, so it assembles nothing)."""
+    def _local(self, index: int) -> torch.Tensor:
+        """This rank's slice of tensor ``index`` as held (any dtype, device, layout)."""
         value = self.values[index]
-        local = (value.to_local() if hasattr(value, "to_local") else value).detach()
-        dtype = self.tensors[index].dtype
-        if local.dtype == dtype and local.device.type == "cpu" and local.is_contiguous():
-            return local
-        return self.scratch.tensor(dtype, tuple(int(s) for s in local.shape)).copy_(local)
+        return (value.to_local() if hasattr(value, "to_local") else value).detach()
+
+    def _must_copy(self, index: int) -> bool:
+        """Whether this rank's slice needs a copy to be sent or written (cast,
+        non-contiguous, or not on the CPU)."""
+        local = self._local(index)
+        return local.dtype != self.tensors[index].dtype or local.device.type != "cpu" or not local.is_contiguous()
+
+    def _whole_here(self, transfers: Sequence[Transfer], index: int) -> bool:
+        """Whether the writer holds tensor ``index`` whole (it assembles nothing)."""
+        return (len(transfers) == 1 and transfers[0].source == self.group.rank
+                and transfers[0].box.sizes == self.tensors[index].shape)
 
     def run(self, sink: FileSink, files: Sequence[HFFile], owners: Sequence[int],
             transfers: Sequence[tuple[Transfer, ...]]) -> None:
         """(all ranks) Every writer assembles and writes its files' tensors, in lockstep.
 
-        Step ``k``: each writer's ``k``-th tensor. A rank whose writing failed
-        keeps sending and receiving (its peers' steps need it) and the step's
-        end tells every rank to stop.
+        Each writer's tensors, in file order, are cut into batches of at most
+        :func:`step_bytes` bytes; in step ``k`` every writer assembles its
+        ``k``-th batch from the slices the others send it, then writes it.
+        Batches of about equal bytes keep the writers in step (one writer's
+        step is not a large matrix while another's is a bias) and cost one
+        round of messages per batch, not per tensor. A rank whose writing
+        failed keeps sending and receiving (its peers' steps need it) and
+        the step's end tells every rank to stop.
         """
         group = self.group
         me, world = group.rank, group.world_size
         queues: list[list[tuple[int, int]]] = [[] for _ in range(world)]
         for f, owner in enumerate(owners):
             queues[owner] += [(f, i) for i in files[f].tensors]
-        for f, owner in enumerate(owners):
             if owner == me and not files[f].tensors:
                 sink.open(f)
                 sink.close(f)
-        steps = max((len(q) for q in queues), default=0)
-        for step in range(steps):
+        budget = step_bytes(self.tensors)
+        batches = [_batches(q, self.tensors, budget) for q in queues]
+        for step in range(max((len(b) for b in batches), default=0)):
+            work = [(owner, b[step]) for owner, b in enumerate(batches) if step < len(b)]
+            mine = batches[me][step] if step < len(batches[me]) else []
+            self._reserve(work, mine, transfers)
             works: list[Any] = []
             keep: list[torch.Tensor] = []  # send buffers, alive until their sends completed
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received, destination view)
-            assembled: torch.Tensor | None = None
-            mine = queues[me][step] if step < len(queues[me]) else None
-            for owner in range(world):
-                if step >= len(queues[owner]):
-                    continue
-                f, i = queues[owner][step]
-                if owner == me:
-                    assembled = self._assemble(i, transfers[i], step, works, copies, sink, f)
-                    continue
-                for transfer in transfers[i]:
-                    if transfer.source == me:
-                        keep.append(self._send_buffer(i, transfer.box, sink, f, len(keep)))
-                        works.append(_isend(group, keep[-1], owner, step))
-            for work in works:
-                work.wait()
+            assembled: list[torch.Tensor] = []
+            for owner, batch in work:
+                for f, i in batch:
+                    if owner == me:
+                        assembled.append(self._assemble(i, transfers[i], works, copies, sink, f))
+                        continue
+                    for transfer in transfers[i]:
+                        if transfer.source == me:
+                            keep.append(self._send_buffer(i, transfer.box, sink, f))
+                            works.append(_isend(group, keep[-1], owner, i))
+            for work_item in works:
+                work_item.wait()
             for received, view in copies:
                 view.copy_(received)
-            del keep, copies
-            if mine is not None:
-                f, i = mine
+            del keep, copies, works
+            for (f, i), tensor in zip(mine, assembled):
                 if i == files[f].tensors[0]:
                     sink.open(f)
-                if assembled is not None:
-                    sink.put(f, i, assembled)
+                sink.put(f, i, tensor)
                 if i == files[f].tensors[-1]:
                     sink.close(f)
             del assembled
             if _any_failed(group, sink.failure is not None):
                 return
 
-    def _assemble(self, index: int, transfers: Sequence[Transfer], step: int, works: list[Any],
+    def _reserve(self, work: Sequence[tuple[int, Sequence[tuple[int, int]]]], mine: Sequence[tuple[int, int]],
+                 transfers: Sequence[tuple[Transfer, ...]]) -> None:
+        """Size this step's three arenas: what this rank assembles (or copies
+        whole), what it casts or copies to send, and column blocks it receives."""
+        me = self.group.rank
+        assemble = send = receive = 0
+        for _, i in mine:
+            spec = self.tensors[i]
+            if not self._whole_here(transfers[i], i):
+                assemble += Arena.size_of(spec.dtype, spec.shape)
+                receive += sum(Arena.size_of(spec.dtype, t.box.sizes) for t in transfers[i]
+                               if t.source != me and not _contiguous_in(t.box, spec.shape))
+            elif self._must_copy(i):
+                assemble += Arena.size_of(spec.dtype, spec.shape)
+        for owner, batch in work:
+            if owner == me:
+                continue
+            for _, i in batch:
+                if any(t.source == me for t in transfers[i]) and self._must_copy(i):
+                    send += sum(Arena.size_of(self.tensors[i].dtype, t.box.sizes)
+                                for t in transfers[i] if t.source == me)
+        self.arena.reset(assemble)
+        self.send_arena.reset(send)
+        self.recv_arena.reset(receive)
+
+    def _assemble(self, index: int, transfers: Sequence[Transfer], works: list[Any],
                   copies: list[tuple[torch.Tensor, torch.Tensor]], sink: FileSink, file: int) -> torch.Tensor:
         """(writer) Post the receives of tensor ``index``; return the tensor they fill."""
         spec = self.tensors[index]
         me = self.group.rank
-        if len(transfers) == 1 and transfers[0].source == me and transfers[0].box.sizes == spec.shape:
-            return self._own_slice(index, sink, file, spec.shape)  # held whole here: no copy unless cast
-        whole = self.scratch.tensor(spec.dtype, spec.shape)
+        if self._whole_here(transfers, index):  # no copy unless cast
+            local = self._own_slice(index, sink, file, spec.shape)
+            return self.arena.take(spec.dtype, spec.shape).copy_(local) if self._must_copy(index) else local
+        whole = self.arena.take(spec.dtype, spec.shape)
         for transfer in transfers:
             view = _box_view(whole, transfer.box.offsets, transfer.box.sizes)
             if transfer.source == me:
-                view.copy_(self._own_slice(index, sink, file, transfer.box.sizes, cast_here=False))
-            elif view.is_contiguous():
-                works.append(_irecv(self.group, view, transfer.source, step))
+                view.copy_(self._own_slice(index, sink, file, transfer.box.sizes))  # copy_ casts
+            elif _contiguous_in(transfer.box, spec.shape):
+                works.append(_irecv(self.group, view, transfer.source, index))
             else:  # a column block (Shard(1)): received whole, then copied into place
-                while len(self.recv_scratch) <= len(copies):
-                    self.recv_scratch.append(Scratch())
-                received = self.recv_scratch[len(copies)].tensor(spec.dtype, transfer.box.sizes)
-                works.append(_irecv(self.group, received, transfer.source, step))
+                received = self.recv_arena.take(spec.dtype, transfer.box.sizes)
+                works.append(_irecv(self.group, received, transfer.source, index))
                 copies.append((received, view))
         return whole
 
-    def _own_slice(self, index: int, sink: FileSink, file: int, shape: tuple[int, ...],
-                   cast_here: bool = True) -> torch.Tensor:
-        """This rank's slice of tensor ``index`` (of ``shape``): cast and
-        contiguous with ``cast_here``, else as held (``copy_`` into the
-        assembled tensor casts). On error, zeros (the step goes on) and the
-        error is this rank's failure."""
+    def _own_slice(self, index: int, sink: FileSink, file: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """This rank's slice of tensor ``index`` (of ``shape``), as held. On
+        error, zeros (the step goes on) and the error is this rank's failure."""
         try:
-            if not cast_here:
-                value = self.values[index]
-                local = (value.to_local() if hasattr(value, "to_local") else value).detach()
-            else:
-                local = self.local_slice(index)
+            local = self._local(index)
             if tuple(local.shape) != shape:
                 raise ValueError(f"local slice has shape {list(local.shape)}, its DTensor says {list(shape)}")
             return local
@@ -248,26 +294,54 @@ class LiveState:
             sink.fail(file, index, err)
             return torch.zeros(shape, dtype=self.tensors[index].dtype)
 
-    def _send_buffer(self, index: int, box: Box, sink: FileSink, file: int, slot: int) -> torch.Tensor:
+    def _send_buffer(self, index: int, box: Box, sink: FileSink, file: int) -> torch.Tensor:
         """This rank's slice ``box`` of tensor ``index``, ready to send: the
-        local tensor itself when it needs no cast or copy, else a copy in the
-        reused send buffer ``slot`` (this step's ``slot``-th send). On error,
-        zeros of the same size go out (the writer's step must complete) and
-        the error is this rank's failure."""
+        local tensor itself when it needs no cast or copy, else a copy in
+        this step's send arena. On error, zeros of the same size go out (the
+        writer's step must complete) and the error is this rank's failure."""
         dtype = self.tensors[index].dtype
         try:
-            value = self.values[index]
-            local = (value.to_local() if hasattr(value, "to_local") else value).detach()
-            if tuple(local.shape) != box.sizes:
-                raise ValueError(f"local slice has shape {list(local.shape)}, its DTensor says {list(box.sizes)}")
-            if local.dtype == dtype and local.device.type == "cpu" and local.is_contiguous():
+            local = self._own_slice(index, sink, file, box.sizes)
+            if not self._must_copy(index):
                 return local
-            while len(self.send_scratch) <= slot:
-                self.send_scratch.append(Scratch())
-            return self.send_scratch[slot].tensor(dtype, box.sizes).copy_(local)
+            return self.send_arena.take(dtype, box.sizes).copy_(local)
         except Exception as err:  # noqa: BLE001 - shared with every rank
             sink.fail(file, index, err)
             return torch.zeros(box.sizes, dtype=dtype)
+
+
+#: Least bytes a step's batch may hold (more when a tensor is larger): lets
+#: models of many small tensors move in few rounds for a little memory.
+MIN_STEP_BYTES = 32 << 20
+
+
+def step_bytes(tensors: Sequence[HFTensor]) -> int:
+    """Most bytes of one writer's batch in a step: the largest tensor, at least :data:`MIN_STEP_BYTES`."""
+    return max([MIN_STEP_BYTES] + [t.nbytes for t in tensors])
+
+
+def _batches(queue: Sequence[tuple[int, int]], tensors: Sequence[HFTensor],
+             budget: int) -> list[list[tuple[int, int]]]:
+    """``queue`` cut, in order, into runs of at most ``budget`` bytes (each at least one tensor)."""
+    out: list[list[tuple[int, int]]] = []
+    size = budget + 1
+    for entry in queue:
+        nbytes = tensors[entry[1]].nbytes
+        if size + nbytes > budget:
+            out.append([])
+            size = 0
+        out[-1].append(entry)
+        size += nbytes
+    return out
+
+
+def _contiguous_in(box: Box, shape: tuple[int, ...]) -> bool:
+    """Whether slice ``box`` of a row-major tensor of ``shape`` is one contiguous run
+    (leading dimensions of size 1, then any, then whole dimensions)."""
+    k = 0
+    while k < len(shape) and box.sizes[k] == 1:
+        k += 1
+    return all(box.sizes[d] == shape[d] for d in range(k + 1, len(shape)))
 
 
 def _box_view(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
@@ -329,8 +403,8 @@ class StoredState:
             self.reader.metadata_group = (group.group,)  # the coordinator reads it once for all
         metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(metadata, True)
-        self.scratch = Scratch()
-        self.block_scratch = Scratch()  # column blocks, one at a time
+        self.arena = Arena()  # the tensor being read
+        self.block_arena = Arena()  # column blocks, one at a time
         stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self.chosen = exported_keys(list(stored), include_optimizer)
         self.metadata = [stored[k] for _, k in self.chosen]
@@ -343,7 +417,9 @@ class StoredState:
         """Tensor ``index`` in full, in its exported dtype (valid until the next call)."""
         key = self.chosen[index][1]
         md = self.metadata[index]
-        dest = self.scratch.tensor(md.properties.dtype, tuple(int(s) for s in md.size))
+        shape = tuple(int(s) for s in md.size)
+        self.arena.reset(Arena.size_of(md.properties.dtype, shape))
+        dest = self.arena.take(md.properties.dtype, shape)
         # The row as the index hint: version-3 look-ups then index no key's rows.
         items = [
             ReadItem(
@@ -367,11 +443,13 @@ class StoredState:
             view = _box_view(dest, item.dest_offsets, item.lengths)
             if view.is_contiguous():
                 continue
-            block = self.block_scratch.tensor(dest.dtype, tuple(int(n) for n in item.lengths))
+            lengths = tuple(int(n) for n in item.lengths)
+            self.block_arena.reset(Arena.size_of(dest.dtype, lengths))
+            block = self.block_arena.take(dest.dtype, lengths)
             at_zero = dataclasses.replace(item, dest_offsets=torch.Size((0,) * len(item.lengths)))
             self.reader.read_data(LoadPlan([at_zero]), cast(LoadPlanner, _IntoTensor(block)))
             view.copy_(block)
-        return dest.to(self.tensors[index].dtype)  # a view of the scratch buffer unless cast
+        return dest.to(self.tensors[index].dtype)  # a view of the arena unless cast
 
     def run(self, sink: FileSink, files: Sequence[HFFile], owners: Sequence[int], rank: int,
             progress: Callable[[int, int], None] | None = None) -> None:

@@ -12,13 +12,14 @@ Both write the folder ``transformers.AutoModel.from_pretrained`` loads:
 * ``model.safetensors.index.json``, the commit marker.
 
 Each file is written by one rank (:func:`~dcp_ext.hf_layout.assign_writers`
-balances bytes and prefers the rank that holds them), all writers at once,
-one tensor in memory at a time. From live state the ranks move in steps: in
-step ``k`` every writer assembles the ``k``-th tensor of its files from the
-slices the other ranks send it (point-to-point; a slice held by several
-ranks is sent by one, by none when the writer holds it), then writes it.
-No rank ever holds more than about its largest tensor plus the slices it
-sends. From storage each writer reads its own tensors with ranged reads;
+balances bytes and prefers the rank that holds them), all writers at once.
+From live state the ranks move in steps: in step ``k`` every writer
+assembles the ``k``-th batch of its files' tensors (consecutive tensors of
+at most the largest tensor's bytes, or 32 MiB) from the slices the other
+ranks send it (point-to-point; a slice held by several ranks is sent by
+one, by none when the writer holds it), then writes it. No rank ever holds
+more than one batch beyond its state, plus the casts of the slices it
+sends. From storage each writer reads its own tensors, one at a time, with ranged reads;
 nothing is exchanged (both: :mod:`dcp_ext._hf_sources`; the files:
 :mod:`dcp_ext._hf_sink`; the plan: :mod:`dcp_ext.hf_layout`).
 

@@ -372,7 +372,9 @@ def _held_slices(key: str, value: torch.Tensor) -> tuple[Box, ...]:
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's storage as a flat ``uint8`` tensor (gloo sends bytes of any dtype)."""
+    """A contiguous tensor's memory as a flat ``uint8`` view (gloo sends bytes of any dtype)."""
+    if not tensor.is_contiguous():  # reshape would copy: a receive would land in the copy
+        raise RuntimeError(f"internal error: a {list(tensor.shape)} slice to exchange is not contiguous")
     return tensor.reshape(-1).view(torch.uint8)
 
 

@@ -8,6 +8,7 @@ the reference weights.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -18,6 +19,7 @@ import safetensors.torch
 import torch
 
 import dcp_ext
+from dcp_ext._hf_sources import _batches, _contiguous_in, step_bytes
 from dcp_ext.cli import main as cli
 from dcp_ext.full_checksums import FOLDER_SIDECAR
 from dcp_ext.hf_layout import (
@@ -222,6 +224,19 @@ def test_layout_planning() -> None:
     assert plan_transfers("w", (4, 6), 0, halves) == (Transfer(0, halves[0][0]), Transfer(1, halves[1][0]))
     with pytest.raises(dcp_ext.DcpExtError, match="'w'.*hold 12 of its 24"):
         plan_transfers("w", (4, 6), 0, [halves[0], []])
+    # Which slices a writer receives in place: as torch sees them, over every box of a few shapes.
+    for shape in ((6,), (4, 6), (3, 1, 4), (2, 3, 4)):
+        ranges = [[(o, n) for o in range(d) for n in range(1, d - o + 1)] for d in shape]
+        for picks in itertools.product(*ranges):
+            box = Box(tuple(o for o, _ in picks), tuple(n for _, n in picks))
+            view = torch.empty(shape)
+            for dim, (o, n) in enumerate(picks):
+                view = view.narrow(dim, o, n)
+            assert _contiguous_in(box, shape) == view.is_contiguous(), (shape, box)
+    # Batches of consecutive tensors within the step's bytes.
+    sizes = [HFTensor(str(n), torch.uint8, (n,)) for n in (10, 20, 5, 40, 1, 1)]
+    assert _batches([(0, i) for i in range(6)], sizes, 40) == [[(0, 0), (0, 1), (0, 2)], [(0, 3)], [(0, 4), (0, 5)]]
+    assert step_bytes(sizes) == 32 << 20
     assert stale_shards(["model-00001-of-00003.safetensors", "model.safetensors", "notes.safetensors"],
                         ["model.safetensors"]) == ["model-00001-of-00003.safetensors"]
 

@@ -21,17 +21,17 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ._hf_sink import FileSink
 from .config import IOConfig
-from .export import _IntoTensor
+from .export import _IntoTensor, exported_keys, whole_tensor_items
 from .hf_layout import Box, HFFile, HFTensor, Transfer, plan_transfers
 from .process_group import GroupView
 from .reader import CheckpointReader
 
-__all__ = ["LiveState", "StoredState", "Arena", "check_cpu_backend", "exported_keys", "stored_dtype"]
+__all__ = ["LiveState", "StoredState", "Arena", "check_cpu_backend", "stored_dtype"]
 
 
 class Arena:
@@ -422,18 +422,7 @@ class StoredState:
         shape = tuple(int(s) for s in md.size)
         self.arena.reset(Arena.size_of(md.properties.dtype, shape))
         dest = self.arena.take(md.properties.dtype, shape)
-        # The row as the index hint: version-3 look-ups then index no key's rows.
-        items = [
-            ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(key, chunk.offsets),
-                dest_offsets=chunk.offsets,
-                storage_index=MetadataIndex(key, chunk.offsets, row),
-                storage_offsets=torch.Size((0,) * len(chunk.offsets)),
-                lengths=chunk.sizes,
-            )
-            for row, chunk in enumerate(md.chunks)
-        ]
+        items = whole_tensor_items(key, md)
         # Chunks whose place in the tensor is contiguous (row blocks) land
         # there directly, all in one parallel read; a column block would be
         # staged by the reader, all blocks at once, so each is read into a
@@ -477,18 +466,3 @@ class StoredState:
             sink.close(f)
         if progress is not None:
             progress(total, total)
-
-
-def exported_keys(keys: Sequence[str], include_optimizer: bool) -> list[tuple[str, str]]:
-    """``(name in the export, key in the checkpoint)``: a CheckpointManager
-    checkpoint's ``model.`` keys lose the prefix, its ``optimizer.`` keys stay
-    (with ``include_optimizer``); other checkpoints keep every key."""
-    if not any(k.startswith("model.") for k in keys):
-        return [(k, k) for k in keys]
-    chosen = []
-    for key in keys:
-        if key.startswith("model."):
-            chosen.append((key[len("model."):], key))
-        elif include_optimizer and key.startswith("optimizer."):
-            chosen.append((key, key))
-    return chosen

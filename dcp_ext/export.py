@@ -7,7 +7,7 @@ next, so memory stays at about the largest tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -20,7 +20,7 @@ from .full_checksums import ChecksumRecorder
 from .reader import CheckpointReader
 from .storage import Store
 
-__all__ = ["export_partial"]
+__all__ = ["export_partial", "exported_keys", "whole_tensor_items"]
 
 
 class _IntoTensor:
@@ -37,6 +37,37 @@ class _IntoTensor:
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass
+
+
+def exported_keys(keys: Sequence[str], include_optimizer: bool) -> list[tuple[str, str]]:
+    """``(name in the export, key in the checkpoint)``: a CheckpointManager
+    checkpoint's ``model.`` keys lose the prefix, its ``optimizer.`` keys stay
+    (with ``include_optimizer``); other checkpoints keep every key."""
+    if not any(k.startswith("model.") for k in keys):
+        return [(k, k) for k in keys]
+    chosen = []
+    for key in keys:
+        if key.startswith("model."):
+            chosen.append((key[len("model."):], key))
+        elif include_optimizer and key.startswith("optimizer."):
+            chosen.append((key, key))
+    return chosen
+
+
+def whole_tensor_items(key: str, md: TensorStorageMetadata) -> list[ReadItem]:
+    """Read items that fill a full-size tensor of ``key`` with every stored chunk."""
+    # The row as the index hint: version-3 look-ups then index no key's rows.
+    return [
+        ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(key, chunk.offsets),
+            dest_offsets=chunk.offsets,
+            storage_index=MetadataIndex(key, chunk.offsets, row),
+            storage_offsets=torch.Size((0,) * len(chunk.offsets)),
+            lengths=chunk.sizes,
+        )
+        for row, chunk in enumerate(md.chunks)
+    ]
 
 
 def export_partial(
@@ -70,15 +101,7 @@ def export_partial(
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
     tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    app_layout = any(k.startswith("model.") for k in tensors)
-    chosen: list[tuple[str, str]] = []  # (name in file, key in checkpoint)
-    for key in tensors:
-        if not app_layout:
-            chosen.append((key, key))
-        elif key.startswith("model."):
-            chosen.append((key[len("model."):], key))
-        elif include_optimizer and key.startswith("optimizer."):
-            chosen.append((key, key))
+    chosen = exported_keys(list(tensors), include_optimizer)
     specs = [FullTensorSpec(n, tensors[k].properties.dtype, tuple(int(s) for s in tensors[k].size)) for n, k in chosen]
     layout = full_layout(specs, full_format)
 
@@ -93,19 +116,7 @@ def export_partial(
         key = chosen[index][1]
         md = tensors[key]
         dest = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        # The row as the index hint: version-3 look-ups then index no key's rows.
-        items = [
-            ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(key, chunk.offsets),
-                dest_offsets=chunk.offsets,
-                storage_index=MetadataIndex(key, chunk.offsets, row),
-                storage_offsets=torch.Size((0,) * len(chunk.offsets)),
-                lengths=chunk.sizes,
-            )
-            for row, chunk in enumerate(md.chunks)
-        ]
-        reader.read_data(LoadPlan(items), cast(LoadPlanner, _IntoTensor(dest)))
+        reader.read_data(LoadPlan(whole_tensor_items(key, md)), cast(LoadPlanner, _IntoTensor(dest)))
         return dest
 
     recorder = ChecksumRecorder(name, reader.config.frame_size)

@@ -109,7 +109,10 @@ def thread_suite(rank: int, world_size: int, root: str, s3_root: str,
     _train_on(model, optim)
     from dcp_ext import IOConfig, RetryPolicy
 
-    config = IOConfig(retry=RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.02))
+    # SlowDown is throttling: paced retries, PACED_ATTEMPTS_FACTOR (4) x
+    # max_attempts of them, down to 1 request/s. One attempt allowed is 4
+    # paced attempts (~2 s); 2 were 8 (~5 s of waiting out the pacing).
+    config = IOConfig(retry=RetryPolicy(max_attempts=1, base_delay=0.01, max_delay=0.02))
     bad = dcp_ext.CheckpointManager(s3_root, storage_options=s3_options[rank], config=config)
     handle = bad.save("bad", model, optim, async_save=True)
     handle.staging_completion.result()

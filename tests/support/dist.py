@@ -42,6 +42,28 @@ START_METHOD = "spawn"
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint"]
 
 
+def context() -> Any:
+    """The multiprocessing context ranks start in (:data:`START_METHOD`), fork server preloaded."""
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
+def _call_with_environ(environ: dict[str, str], target: Callable[..., Any], *args: Any) -> None:
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    target(*args)
+
+
+def process(ctx: Any, target: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``ctx.Process(target=target, args=args)`` for tests that start processes
+    themselves (no process group, or one that must lose a rank): the process
+    runs ``target`` with the caller's current environment, as a spawned one would."""
+    return ctx.Process(target=_call_with_environ, args=(dict(os.environ), target, *args))
+
+
 class WorldError(AssertionError):
     """A rank of a spawned world failed; the message holds its traceback."""
 
@@ -123,9 +145,7 @@ def run_world(
     Raises:
         WorldError: A rank raised, died or the world exceeded ``timeout`` s.
     """
-    ctx = mp.get_context(START_METHOD)
-    if START_METHOD == "forkserver":
-        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    ctx = context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="dcp_ext_world_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")

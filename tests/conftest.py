@@ -14,8 +14,14 @@ from typing import Any
 
 import pytest
 
+from tests.support import dist as _dist
 from tests.support.backends import BUCKET, Backend, backend_for
 from tests.support.s3_servers import S3Server, isolated_aws_env, serving
+
+# Spawned worlds fork their ranks from one server process that imported torch
+# once, instead of paying a fresh interpreter and `import torch` per rank
+# (see tests/support/dist.py).
+_dist.START_METHOD = "forkserver"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -89,7 +89,9 @@ def test_async_saves_in_two_rank_worlds(tmp_path, moto_server) -> None:
     plan = FaultPlan(rate=1.0, faults=("slowdown",), match=lambda method, path: method in ("PUT", "POST"))
     with FaultProxy(moto_server.endpoint_url, plan) as proxy:
         options = [moto_server.storage_options(), moto_server.storage_options(endpoint_url=proxy.endpoint_url)]
-        reports = run_world(2, async_workers.thread_suite, str(tmp_path / "thread"), s3_root, options, timeout=300)
+        both = run_world(2, async_workers.thread_and_process_suites, str(tmp_path / "thread"), s3_root, options,
+                         str(tmp_path / "process"), timeout=400)
+    reports = [report["thread"] for report in both]
     print("thread worlds:", reports)
     for report in reports:
         assert report["first_allocated"] == report["buffer_bytes"] == report["buffer_bytes_after"] > 0
@@ -98,6 +100,6 @@ def test_async_saves_in_two_rank_worlds(tmp_path, moto_server) -> None:
     assert reports[0]["failure"] == reports[1]["failure"], [r["failure"] for r in reports]
     assert reports[0]["failure"][0] in ("TransientStorageError", "StorageError"), reports[0]["failure"]
 
-    (report,) = [run_world(2, async_workers.process_suite, str(tmp_path / "process"), timeout=300)[0]]
+    report = both[0]["process"]
     assert report["shared"] is True
     assert report["user_content"] == {"tag": "p2"}

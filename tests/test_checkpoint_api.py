@@ -187,8 +187,13 @@ def test_manager_on_s3_and_async_save(moto_server) -> None:
     root = f"s3://{BUCKET}/api-{uuid.uuid4().hex[:8]}"
     model = api_workers.mlp(0, width=256, hidden=1024)
     optim = torch.optim.Adam(model.parameters())
-    # Data-file PUTs answer late, so the async save stays in flight a while.
-    slow = FaultPlan(rate=1.0, faults=("delay",), delay=1.5, match=lambda m, p: m == "PUT" and ".distcp" in p)
+    # Data-file PUTs of the async saves b, c and e answer late, so each stays in
+    # flight a while (long enough to see it pending, and for the save after it
+    # to have to wait). The synchronous saves a and d, and f (only its call is
+    # timed against e's), gain nothing from waiting: theirs answer at once.
+    delayed = ("/b_partial/", "/c_partial/", "/e_partial/")
+    slow = FaultPlan(rate=1.0, faults=("delay",), delay=1.5,
+                     match=lambda m, p: m == "PUT" and ".distcp" in p and any(d in p for d in delayed))
     client = moto_server.boto3_client()
     prefix = root[len(f"s3://{BUCKET}/"):]
 

@@ -6,12 +6,14 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import dcp_ext
+from tests.support import dist
 
 
 def _filled(value: float) -> nn.Module:
@@ -52,29 +54,42 @@ def test_second_save_of_a_tag_in_progress_fails_cleanly(kind: str, make_backend)
         dcp_ext.save(state_b, url, storage_options=options)
 
 
-_JOB = """
-import sys, torch, dcp_ext
-value = float(sys.argv[2])
-model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
-with torch.no_grad():
-    for p in model.parameters():
-        p.fill_(value)
-try:
-    dcp_ext.CheckpointManager(sys.argv[1]).save("t", model, user_content={"value": value})
-    print("SAVED")
-except (dcp_ext.CheckpointInProgressError, dcp_ext.CheckpointExistsError) as err:
-    print("REFUSED", type(err).__name__)
-"""
+def _save_job(root: str, value: float, results: Any) -> None:
+    """(a job process of its own) Save tag ``t`` of a 24 MiB model filled with ``value``."""
+    import traceback
+
+    try:
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(value)
+        try:
+            dcp_ext.CheckpointManager(root).save("t", model, user_content={"value": value})
+            results.put((value, "SAVED"))
+        except (dcp_ext.CheckpointInProgressError, dcp_ext.CheckpointExistsError) as err:
+            results.put((value, f"REFUSED {type(err).__name__}"))
+    except BaseException:
+        results.put((value, traceback.format_exc()[-300:]))
 
 
 def test_two_processes_saving_one_tag(tmp_path: Path) -> None:
-    """Two real jobs race to save tag ``t`` (24 MiB each): one wins, the other
+    """Two real jobs (processes) race to save tag ``t`` (24 MiB each): one wins, the other
     is refused with a clear error, and ``t`` is exactly the winner's."""
     root = str(tmp_path / "root")
-    jobs = [subprocess.Popen([sys.executable, "-c", _JOB, root, str(v)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for v in (1.0, 2.0)]
-    outputs = [job.communicate(timeout=120) for job in jobs]
-    lines = [out.strip().splitlines()[-1] if out.strip() else err[-300:] for out, err in outputs]
+    ctx = dist.context()  # the suite's: processes forked from a server that imported torch once
+    results = ctx.Queue()
+    jobs = [dist.process(ctx, _save_job, (root, v, results)) for v in (1.0, 2.0)]
+    for job in jobs:
+        job.start()
+    try:
+        outcome = dict(results.get(timeout=120) for _ in jobs)
+    finally:
+        for job in jobs:
+            job.join(timeout=30)
+            if job.is_alive():
+                job.kill()
+    assert [job.exitcode for job in jobs] == [0, 0], outcome
+    lines = [outcome[1.0], outcome[2.0]]
     assert sorted(line.split()[0] for line in lines) == ["REFUSED", "SAVED"], lines
     winner = 1.0 if lines[0] == "SAVED" else 2.0
     model = _filled(0.0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from dcp_ext.read_once import MIN_PIECE, RankExchange, plan_read_once
-from tests.support import read_once_workers
+from tests.support import dist, read_once_workers
 from tests.support.dist import run_world
 
 _SLACK = 1.05
@@ -127,13 +127,12 @@ def test_a_rank_killed_mid_exchange_stops_the_others_quickly(tmp_path: Path) -> 
     three raise ReadOnceExchangeError (dcp_ext.load raises it; stock dcp.load
     raises gloo's error from its next collective) within seconds, and no
     shared-memory segment of the load is left, the dead rank's included."""
-    import multiprocessing as mp
     import queue
 
-    ctx = mp.get_context("spawn")
+    ctx = dist.context()  # the suite's: ranks forked from a server that imported torch once
     results = ctx.Queue()
-    procs = [ctx.Process(target=read_once_workers.killed_rank_job,
-                         args=(rank, 4, str(tmp_path / "rendezvous"), str(tmp_path), results)) for rank in range(4)]
+    procs = [dist.process(ctx, read_once_workers.killed_rank_job,
+                          (rank, 4, str(tmp_path / "rendezvous"), str(tmp_path), results)) for rank in range(4)]
     for proc in procs:
         proc.start()
     outcomes = []

@@ -1,6 +1,7 @@
 """Code that runs on each rank of the spawned worlds in test_async_staging.py.
 
-Each function is one world's worth of checks: background-staged saves with
+The test runs both suites in one world (:func:`thread_and_process_suites`):
+background-staged saves with
 the state mutated right after ``staging_completion``, through the manager and
 through stock ``dcp.async_save``; buffer reuse over many saves; an upload
 failure on one rank; process-based uploads.
@@ -109,7 +110,10 @@ def thread_suite(rank: int, world_size: int, root: str, s3_root: str,
     _train_on(model, optim)
     from dcp_ext import IOConfig, RetryPolicy
 
-    config = IOConfig(retry=RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.02))
+    # SlowDown is throttling: paced retries, PACED_ATTEMPTS_FACTOR (4) x
+    # max_attempts of them, down to 1 request/s. One attempt allowed is 4
+    # paced attempts (~2 s); 2 were 8 (~5 s of waiting out the pacing).
+    config = IOConfig(retry=RetryPolicy(max_attempts=1, base_delay=0.01, max_delay=0.02))
     bad = dcp_ext.CheckpointManager(s3_root, storage_options=s3_options[rank], config=config)
     handle = bad.save("bad", model, optim, async_save=True)
     handle.staging_completion.result()
@@ -149,3 +153,10 @@ def process_suite(rank: int, world_size: int, root: str) -> dict[str, Any]:
     assert_same_state(expected, got, "stock process-based dcp.async_save")
     report["user_content"] = dcp_ext.CheckpointManager(root).resume(make_fsdp(world_size, 7)[0]).user_content
     return report
+
+
+def thread_and_process_suites(rank: int, world_size: int, root: str, s3_root: str,
+                              s3_options: list[dict[str, Any]], process_root: str) -> dict[str, Any]:
+    """:func:`thread_suite`, then :func:`process_suite`, in one world (spawning one costs seconds)."""
+    return {"thread": thread_suite(rank, world_size, root, s3_root, s3_options),
+            "process": process_suite(rank, world_size, process_root)}

@@ -149,7 +149,14 @@ def torch_no_grad():  # type: ignore[no-untyped-def]
 
 
 if __name__ == "__main__":
+    from tests.support import dist
     from tests.support.dist import run_world
+
+    # Both ranks fork from one process that imported torch once (dist.py), not
+    # two fresh interpreters each importing it: on 2 busy cores that is about a
+    # second of CPU per job. That process is this job's child, in its process
+    # group, so a kill of "all" (killpg) still takes the job and both ranks.
+    dist.START_METHOD = "forkserver"
 
     mode = sys.argv[4] if len(sys.argv) > 4 else "sync"
     run_world(2, job, sys.argv[1], int(sys.argv[2]), sys.argv[3], mode, timeout=120.0)

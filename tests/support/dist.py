@@ -7,6 +7,16 @@ passes a barrier, flushes its result, and leaves with ``os._exit(0)`` without
 tearing gloo down (a rank torn down while a peer is still in gloo can die with
 SIGABRT and fail the run). If any rank raises, the others are killed and the
 first traceback is re-raised in the test process.
+
+Ranks start with ``spawn`` (a fresh interpreter each) unless the caller asks for
+``forkserver``, as the test suite does (``tests/conftest.py`` sets
+:data:`START_METHOD`): a fork server is a fresh interpreter that imports torch
+once, and every rank of every later world is forked from it. A rank is still a
+process of its own with its own gloo group; it only skips the seconds of
+interpreter start and ``import torch`` that a spawned rank pays (on 2 loaded
+cores, 2-5 s of wall time per world). Each rank takes the test process's
+environment as it is at ``run_world`` (not the fork server's, which is the
+environment of the first world), before it imports anything of dcp_ext.
 """
 
 from __future__ import annotations
@@ -23,6 +33,37 @@ from collections.abc import Callable
 from typing import Any
 
 
+#: How ranks start: ``"spawn"`` (default; ``bench/`` keeps it) or ``"forkserver"``.
+START_METHOD = "spawn"
+
+#: What the fork server imports once, before it forks any rank: torch only
+#: (dcp_ext reads some settings from the environment at import, so each rank
+#: imports it itself, after it took the caller's environment).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint"]
+
+
+def context() -> Any:
+    """The multiprocessing context ranks start in (:data:`START_METHOD`), fork server preloaded."""
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
+def _call_with_environ(environ: dict[str, str], target: Callable[..., Any], *args: Any) -> None:
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    target(*args)
+
+
+def process(ctx: Any, target: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``ctx.Process(target=target, args=args)`` for tests that start processes
+    themselves (no process group, or one that must lose a rank): the process
+    runs ``target`` with the caller's current environment, as a spawned one would."""
+    return ctx.Process(target=_call_with_environ, args=(dict(os.environ), target, *args))
+
+
 class WorldError(AssertionError):
     """A rank of a spawned world failed; the message holds its traceback."""
 
@@ -35,7 +76,12 @@ def _entry(
     args: tuple[Any, ...],
     results: Any,
     collective_timeout: float,
+    environ: dict[str, str],
 ) -> None:
+    # A forked rank inherits the fork server's environment: take the caller's.
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -99,14 +145,14 @@ def run_world(
     Raises:
         WorldError: A rank raised, died or the world exceeded ``timeout`` s.
     """
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="dcp_ext_world_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(rank, world_size, init_file, fn, args, results, collective_timeout),
+                args=(rank, world_size, init_file, fn, args, results, collective_timeout, dict(os.environ)),
             )
             for rank in range(world_size)
         ]

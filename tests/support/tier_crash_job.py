@@ -54,6 +54,13 @@ def job(rank: int, world_size: int, root: str, local_base: str, step: int, crash
 
 
 if __name__ == "__main__":
+    from tests.support import dist
     from tests.support.dist import run_world
+
+    # Both ranks fork from one process that imported torch once (dist.py), not
+    # two fresh interpreters each importing it: on 2 busy cores that is about a
+    # second of CPU per job. That process is this job's child, in its process
+    # group, so a kill of "all" (killpg) still takes the job and both ranks.
+    dist.START_METHOD = "forkserver"
 
     run_world(2, job, sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], timeout=120.0)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed.checkpoint as dcp
+
+import dcp_ext
 
 from dcp_ext import CheckpointReader, CheckpointWriter
 from tests.support import dist_workers
@@ -49,6 +52,17 @@ def test_world_of_four_and_single_process(tmp_path, seaweedfs_server) -> None:
         per_rank = [r["bytes_read"][path_index] for r in reports]
         assert sum(per_rank) >= total
         assert max(per_rank) <= total / 4 * 1.1 + 64 * 1024, (path_index, per_rank, total, reports[0]["bytes_read"])
+    # FSDP2 over tensor parallel (2 x 2): the Hugging Face export is the full model, bit for bit,
+    # its files written by several ranks.
+    hf = [r["hf_2d"] for r in reports]
+    assert "_StridedShard" in hf[0]["placements"]["0.weight"], hf[0]["placements"]
+    assert sum(len(h["files"]) for h in hf) >= 2 and sum(1 for h in hf if h["files"]) >= 2, hf
+    assert dcp_ext.verify_full(str(tmp_path / "hf2d")).ok
+    exported = dcp_ext.FullCheckpointReader(str(tmp_path / "hf2d")).read_metadata().state_dict_metadata
+    assert sorted(exported) == sorted(hf[0]["full"])
+    loaded = {k: torch.zeros_like(v) for k, v in hf[0]["full"].items()}
+    dcp.load(loaded, storage_reader=dcp_ext.FullCheckpointReader(str(tmp_path / "hf2d")))
+    assert_same_state(hf[0]["full"], loaded, "2-D HF export")
     # The 4-rank FSDP2 checkpoint loads into one process with no process group.
     fresh = dist_workers.make_model(seed=123)
     state = fresh.state_dict()

@@ -226,7 +226,29 @@ def four_rank_suite(
     if rank == 0:
         report["from_single"] = {k: v.clone() for k, v in from_single.items()}
         report["full_saved"] = {k: v.clone() for k, v in full_saved.items()}
+    report["hf_2d"] = hf_export_2d(rank, f"{root}/hf2d")
     return report
+
+
+def hf_export_2d(rank: int, folder: str) -> dict[str, Any]:
+    """A 2 x 2 (dp, tp) mesh: tensor parallel inside FSDP2 (``_StridedShard``
+    placements) exported with ``save_hf``; the full state and the placements
+    for the test to check."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(11)
+    mlp = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 40))
+    full = {k: v.detach().clone() for k, v in mlp.state_dict().items()}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(mlp, mesh=mesh["dp"])
+    state = get_model_state_dict(mlp)
+    written = dcp_ext.save_hf(state, folder, max_shard_size=20_000)
+    return {
+        "full": full if rank == 0 else None,
+        "placements": {k: [type(p).__name__ for p in v.placements] for k, v in state.items()},
+        "files": written.files,
+    }
 
 
 def one_rank_suite(rank: int, world_size: int, root: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 import torch
@@ -138,7 +139,10 @@ class LiveState:
                         f"tensor {key!r}: rank {rank} has {dtype} {list(shape)}, rank 0 has {dtype0} {list(shape0)}"
                     )
         self.held = [[theirs[i][3] for theirs in every] for i in range(len(items))]
-        self.arena = Arena()  # the tensors this rank assembles in a step
+        # The tensors this rank assembles in a step, two by turns: the writer
+        # thread writes one step's while the next step's are assembled.
+        self.arenas = (Arena(), Arena())
+        self.arena = self.arenas[0]
         self.send_arena = Arena()  # casts or copies of what it sends in a step
         self.recv_arena = Arena()  # slices it receives that are not contiguous in their tensor
         self.tensors = [
@@ -204,37 +208,37 @@ class LiveState:
                 sink.close(f)
         budget = step_bytes(self.tensors)
         batches = [_batches(q, self.tensors, budget) for q in queues]
-        for step in range(max((len(b) for b in batches), default=0)):
-            work = [(owner, b[step]) for owner, b in enumerate(batches) if step < len(b)]
-            mine = batches[me][step] if step < len(batches[me]) else []
-            self._reserve(work, mine, transfers)
-            works: list[Any] = []
-            keep: list[torch.Tensor] = []  # send buffers, alive until their sends completed
-            copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received, destination view)
-            assembled: list[torch.Tensor] = []
-            for owner, batch in work:
-                for f, i in batch:
-                    if owner == me:
-                        assembled.append(self._assemble(i, transfers[i], works, copies, sink, f))
-                        continue
-                    for transfer in transfers[i]:
-                        if transfer.source == me:
-                            keep.append(self._send_buffer(i, transfer.box, sink, f))
-                            works.append(_isend(group, keep[-1], owner, i))
-            for work_item in works:
-                work_item.wait()
-            for received, view in copies:
-                view.copy_(received)
-            del keep, copies, works
-            for (f, i), tensor in zip(mine, assembled):
-                if i == files[f].tensors[0]:
-                    sink.open(f)
-                sink.put(f, i, tensor)
-                if i == files[f].tensors[-1]:
-                    sink.close(f)
-            del assembled
-            if _any_failed(group, sink.failure is not None):
-                return
+        with _Writer(sink) as writer:
+            for step in range(max((len(b) for b in batches), default=0)):
+                work = [(owner, b[step]) for owner, b in enumerate(batches) if step < len(b)]
+                mine = batches[me][step] if step < len(batches[me]) else []
+                # The other arena may still be written from: this one was used two steps ago.
+                self.arena = self.arenas[step % 2]
+                self._reserve(work, mine, transfers)
+                works: list[Any] = []
+                keep: list[torch.Tensor] = []  # send buffers, alive until their sends completed
+                copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received, destination view)
+                assembled: list[torch.Tensor] = []
+                for owner, batch in work:
+                    for f, i in batch:
+                        if owner == me:
+                            assembled.append(self._assemble(i, transfers[i], works, copies, sink, f))
+                            continue
+                        for transfer in transfers[i]:
+                            if transfer.source == me:
+                                keep.append(self._send_buffer(i, transfer.box, sink, f))
+                                works.append(_isend(group, keep[-1], owner, i))
+                for work_item in works:
+                    work_item.wait()
+                for received, view in copies:
+                    view.copy_(received)
+                del keep, copies, works
+                writer.submit([(f, i, files[f]) for f, i in mine], assembled)
+                del assembled
+                # Failures seen so far (this step's writes may still be running:
+                # the next step's check, or the outcome exchange, sees those).
+                if _any_failed(group, sink.failure is not None):
+                    return
 
     def _reserve(self, work: Sequence[tuple[int, Sequence[tuple[int, int]]]], mine: Sequence[tuple[int, int]],
                  transfers: Sequence[tuple[Transfer, ...]]) -> None:
@@ -405,7 +409,9 @@ class StoredState:
             self.reader.metadata_group = (group.group,)  # the coordinator reads it once for all
         metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(metadata, True)
-        self.arena = Arena()  # the tensor being read
+        # The tensor being read, two by turns: one is read while the other is written.
+        self.arenas = (Arena(), Arena())
+        self.arena = self.arenas[0]
         self.block_arena = Arena()  # column blocks, one at a time
         stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self.chosen = exported_keys(list(stored), include_optimizer)
@@ -444,25 +450,70 @@ class StoredState:
 
     def run(self, sink: FileSink, files: Sequence[HFFile], owners: Sequence[int], rank: int,
             progress: Callable[[int, int], None] | None = None) -> None:
-        """(each rank on its own) Read and write the files this rank writes."""
-        mine = [f for f, owner in enumerate(owners) if owner == rank]
-        total = sum(files[f].nbytes for f in mine)
+        """(each rank on its own) Read and write the files this rank writes;
+        a tensor is read while the one before it is written."""
+        mine = [(f, i, files[f]) for f, owner in enumerate(owners) if owner == rank for i in files[f].tensors]
+        for f, owner in enumerate(owners):
+            if owner == rank and not files[f].tensors:
+                sink.open(f)
+                sink.close(f)
+        total = sum(files[f].nbytes for f, owner in enumerate(owners) if owner == rank)
         done = 0
-        for f in mine:
-            sink.open(f)
-            for i in files[f].tensors:
+        with _Writer(sink) as writer:
+            for n, (f, i, spec) in enumerate(mine):
                 if sink.failure is not None:
-                    return
+                    break
                 if progress is not None:
                     progress(done, total)
+                self.arena = self.arenas[n % 2]  # the other may still be written from
                 try:
                     tensor = self.read(i)
                 except Exception as err:  # noqa: BLE001 - shared with every rank
                     sink.fail(f, i, err)
-                    return
-                sink.put(f, i, tensor)
+                    break
+                writer.submit([(f, i, spec)], [tensor])
                 done += self.tensors[i].nbytes
                 del tensor
-            sink.close(f)
-        if progress is not None:
+        if progress is not None and sink.failure is None:
             progress(total, total)
+
+
+class _Writer:
+    """One thread that writes a rank's tensors in order, while the caller
+    prepares the next ones. At most one batch is queued: :meth:`submit`
+    first waits for the batch before, so the caller may reuse the memory of
+    the batch before that (two buffers, used by turns)."""
+
+    def __init__(self, sink: FileSink) -> None:
+        self.sink = sink
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-hf-writer")
+        self.pending: Future[None] | None = None
+
+    def submit(self, batch: Sequence[tuple[int, int, HFFile]], tensors: Sequence[torch.Tensor]) -> None:
+        """Write ``tensors`` (tensor ``i`` of file ``f``, for each ``(f, i, file)``),
+        opening a file at its first tensor and committing it after its last."""
+        self.wait()
+        if batch:
+            self.pending = self.pool.submit(self._write, list(batch), list(tensors))
+
+    def _write(self, batch: list[tuple[int, int, HFFile]], tensors: list[torch.Tensor]) -> None:
+        for (f, i, spec), tensor in zip(batch, tensors):
+            if i == spec.tensors[0]:
+                self.sink.open(f)
+            self.sink.put(f, i, tensor)
+            if i == spec.tensors[-1]:
+                self.sink.close(f)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def __enter__(self) -> _Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.wait()
+        finally:
+            self.pool.shutdown(wait=True)

@@ -35,6 +35,7 @@ from .errors import (
     UnsupportedCodecError,
     unwrap_checkpoint_exception,
 )
+from .hf_export import HFExportReport, export_hf, save_hf
 from .integrity import Problem, VerifyReport, verify
 from .layout import InvalidTagError, MeshInfo, Partition, RankPartition, TagInfo
 from .manager import CheckpointManager, ResumeResult, close_checkpoints, resume_from_checkpoint, save_checkpoint
@@ -70,6 +71,9 @@ __all__ = [
     "close_checkpoints",
     "load_pretrained",
     "PretrainedLoadReport",
+    "save_hf",
+    "export_hf",
+    "HFExportReport",
     "FullCheckpointReader",
     "LayoutSavePlanner",
     "LayoutLoadPlanner",

@@ -80,8 +80,8 @@ Conditions, the same for every system:
 * **Correctness**: after the world ended (untimed), the parent reads every
   output tensor with ``safetensors.safe_open`` (through the index when there
   is one) and compares its bits with the full tensor rebuilt from the seeds,
-  and checks that the key sets are equal (``--verify first``: first round of
-  every system, the default; ``all``; ``none``).
+  and checks that the key sets are equal: every output of every round by
+  default (``--verify first``: the first round of each system; ``none``).
 
 Results: ``bench/results/hf-export-<date>.json`` (every sample, load average
 and ``uptime`` at start and end and before every measurement) and the block
@@ -666,7 +666,9 @@ def render(record: dict[str, Any]) -> str:
         f"Model: {model['tensors']} bf16 tensors, {model['tensor_bytes'] / MiB:,.1f} MiB "
         f"({model['tensor_bytes'] / 1e9:.3f} GB; {model['rank_bytes'] / MiB:,.0f} MiB per rank), largest tensor "
         f"{model['largest_tensor_bytes'] / MiB:.1f} MiB; `max_shard_size=\"{p['max_shard_size']}\"` "
-        f"({model['files_at_max_shard_size']} files for dcp_ext and torch's mapping; today's paths write one file). "
+        f"(HF's rule, tensors in order: {model['files_at_max_shard_size']} weights files; dcp_ext splits the same way "
+        "and torch gets that split as its `fqn_to_index_mapping`; today's paths write one file; \"files\" below "
+        "counts every file written, index and torch's `sharded/` included). "
         "Every measurement in a fresh world after an untimed warm-up on a 4 MiB model; `os.sync()` between "
         "measurements; every system's time includes fsync of its outputs (torch's consolidated files are fsynced by "
         "the harness, timed); from a checkpoint the source is in the page cache for every system. Median "
@@ -728,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: live, checkpoint")
     parser.add_argument("--systems", default=None, help="comma-separated subset of dcp_ext, torch, torch_every_rank, "
                         "today (default all)")
-    parser.add_argument("--verify", choices=["first", "all", "none"], default="first",
+    parser.add_argument("--verify", choices=["first", "all", "none"], default="all",
                         help="check outputs bit for bit: first round of each system, every round, or never")
     parser.add_argument("--quick", action="store_true", help="64 MiB, 1 round")
     parser.add_argument("--workdir", default=None, help="scratch directory on the disk under test (default: a temp "

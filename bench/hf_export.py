@@ -366,19 +366,146 @@ def measure_world(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     baseline = RssSampler().rss()
     maxrss_before = _maxrss()
+    phases = profiler = None
+    if cfg.get("profile"):
+        import cProfile
+
+        phases = _Phases()
+        phases.install()
+        profiler = cProfile.Profile()
     dist.barrier()
     with RssSampler(0.01) as sampler:
         t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         _run_system(mode, system, rank, world, cfg, state, spec, mesh, cfg["source"], dest)
+        if profiler is not None:
+            profiler.disable()
         seconds = time.perf_counter() - t0
     maxrss_after = _maxrss()
     peak = max(sampler.peak, maxrss_after if maxrss_after > maxrss_before else 0)
     slowest = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     dist.barrier()
-    return {"rank": rank, "seconds": seconds, "slowest": float(slowest.item()), "rss_baseline": baseline,
+    extra: dict[str, Any] = {}
+    if phases is not None and profiler is not None:
+        phases.uninstall()
+        extra = {"phases": phases.report(), "profile": _top_functions(profiler)}
+    return {**extra, "rank": rank, "seconds": seconds, "slowest": float(slowest.item()), "rss_baseline": baseline,
             "rss_peak_sampled": sampler.peak, "rss_samples": sampler.samples, "ru_maxrss_before": maxrss_before,
             "ru_maxrss_after": maxrss_after, "rss_peak": peak, "build_seconds": built, "warmup_seconds": warmup}
+
+
+# -- profiling (``--profile``) ----------------------------------------------------------------------
+
+#: What ``--profile`` times in dcp_ext's export (wrapped in the rank's process only; dcp_ext is not changed).
+#: Nested: ``put`` includes the writes, ``close`` the commit (fsync, rename); ``_assemble`` the own slice's copy.
+PHASE_TARGETS = (
+    ("dcp_ext.hf_export", None, "_any_failed"),
+    ("dcp_ext.hf_export", None, "_make_plan"),
+    ("dcp_ext.hf_export", None, "_prepare_folder"),
+    ("dcp_ext.hf_export", None, "_finish_folder"),
+    ("dcp_ext.hf_export", "_FileSink", "open"),
+    ("dcp_ext.hf_export", "_FileSink", "put"),
+    ("dcp_ext.hf_export", "_FileSink", "close"),
+    ("dcp_ext.hf_export", "_LiveState", "__init__"),
+    ("dcp_ext.hf_export", "_LiveState", "plan"),
+    ("dcp_ext.hf_export", "_LiveState", "run"),
+    ("dcp_ext.hf_export", "_LiveState", "_assemble"),
+    ("dcp_ext.hf_export", "_LiveState", "_send_buffer"),
+    ("dcp_ext.hf_export", "_StoredState", "__init__"),
+    ("dcp_ext.hf_export", "_StoredState", "read"),
+    ("dcp_ext.hf_export", "_StoredState", "run"),
+    ("dcp_ext.storage.local", "_LocalWriter", "write"),
+    ("dcp_ext.storage.local", "_LocalWriter", "commit"),
+    ("dcp_ext.full", None, "stream_full_checkpoint"),
+    ("dcp_ext.export", None, "export_partial"),
+)
+
+
+class _TimedWork:
+    """A ``Work`` whose ``wait`` is timed as the phase ``exchange wait``."""
+
+    def __init__(self, work: Any, phases: _Phases) -> None:
+        self._work, self._phases = work, phases
+
+    def wait(self) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait()
+        finally:
+            self._phases.add("exchange wait (isend/irecv)", time.perf_counter() - t0)
+
+
+class _Phases:
+    """Wall seconds and calls per wrapped function of :data:`PHASE_TARGETS` on this rank."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        import functools
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - t0)
+
+        return timed
+
+    def install(self) -> None:
+        import importlib
+
+        for module_name, cls, attr in PHASE_TARGETS:
+            try:
+                owner = importlib.import_module(module_name)
+                if cls is not None:
+                    owner = getattr(owner, cls)
+                original = getattr(owner, attr)
+            except (ImportError, AttributeError):
+                continue
+            self._saved.append((owner, attr, original))
+            setattr(owner, attr, self._wrap(f"{cls + '.' if cls else ''}{attr}", original))
+        try:
+            module = importlib.import_module("dcp_ext.hf_export")
+        except ImportError:
+            return
+        for attr in ("_isend", "_irecv"):
+            original = getattr(module, attr, None)
+            if original is None:
+                continue
+            self._saved.append((module, attr, original))
+            setattr(module, attr, lambda *a, _f=original, **k: _TimedWork(_f(*a, **k), self))
+
+    def uninstall(self) -> None:
+        for owner, attr, original in reversed(self._saved):
+            setattr(owner, attr, original)
+        self._saved.clear()
+
+    def report(self) -> dict[str, dict[str, float]]:
+        return {k: {"seconds": v, "calls": self.calls[k]} for k, v in sorted(self.seconds.items())}
+
+
+def _top_functions(profiler: Any, count: int = 40) -> list[dict[str, Any]]:
+    """The ``count`` functions with the most own time (cProfile, main thread of this rank)."""
+    import pstats
+
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (file, line, func), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{os.path.basename(file)}:{line}({func})", "calls": calls, "own": own,
+                     "cumulative": cumulative})
+    rows.sort(key=lambda r: -r["own"])
+    return rows[:count]
 
 
 def setup_world(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -473,7 +600,7 @@ def schedule(modes: tuple[str, ...], systems: dict[str, tuple[str, ...]], rounds
 
 def run(modes: tuple[str, ...], systems: dict[str, tuple[str, ...]], size: int, layers: int, rounds: int,
         max_shard_size: str, verify: str, workdir: Path | None, command: str,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        log: Callable[[str], None] = print, profile: bool = False) -> dict[str, Any]:
     """Set up, measure every (round, mode, system) in a fresh world, verify; the results record."""
     from tests.support.dist import run_world
 
@@ -487,7 +614,8 @@ def run(modes: tuple[str, ...], systems: dict[str, tuple[str, ...]], size: int, 
     spec = make_spec(size, layers)
     largest = max(math.prod(s) for _, s in spec.shapes) * ESIZE
     params = {"modes": list(modes), "systems": {m: list(systems[m]) for m in modes}, "size": size, "layers": layers,
-              "rounds": rounds, "max_shard_size": max_shard_size, "verify": verify, "world": WORLD}
+              "rounds": rounds, "max_shard_size": max_shard_size, "verify": verify, "world": WORLD,
+              "profile": profile}
     record: dict[str, Any] = {
         "format": 1, "date": datetime.date.today().isoformat(), "command": command,
         "machine": machine_info(work), "uptime_start": _uptime(), "params": params,
@@ -496,7 +624,8 @@ def run(modes: tuple[str, ...], systems: dict[str, tuple[str, ...]], size: int, 
                   "files_at_max_shard_size": max(shard_mapping(spec, parse_size(max_shard_size)).values())},
     }
     log(f"{command}\nworkdir {work} ({record['machine']['workdir_device']}); {record['uptime_start']}")
-    base = {"size": size, "layers": layers, "max_shard_size": max_shard_size, "workdir": str(work)}
+    base = {"size": size, "layers": layers, "max_shard_size": max_shard_size, "workdir": str(work),
+            "profile": profile}
     try:
         if "checkpoint" in modes:
             t0 = time.monotonic()
@@ -544,6 +673,12 @@ def run(modes: tuple[str, ...], systems: dict[str, tuple[str, ...]], size: int, 
                 f"written {written / MiB:,.0f} MiB in {files} files"
                 + (f"  verified {sample['verified']['tensors']} tensors" if "verified" in sample else "")
                 + f"  (load {load[0]:.2f}; world {wall:.0f}s)")
+            if profile:
+                for r in ranks:
+                    log(f"      rank {r['rank']} phases: " + ", ".join(
+                        f"{k} {v['seconds']:.3f}s/{v['calls']}" for k, v in r["phases"].items()))
+                    log(f"      rank {r['rank']} most own time: " + ", ".join(
+                        f"{f['function']} {f['own']:.3f}s/{f['calls']}" for f in r["profile"][:8]))
         record["samples"] = samples
     finally:
         if owned:
@@ -737,6 +872,9 @@ def main(argv: list[str] | None = None) -> int:
                         "dir on /work's disk)")
     parser.add_argument("--out", default=None, help="results JSON (default bench/results/hf-export-<date>.json)")
     parser.add_argument("--no-readme", action="store_true", help="leave bench/README.md alone")
+    parser.add_argument("--profile", action="store_true", help="instrumented run (phase timers and cProfile in "
+                        "every rank; times carry their overhead): 1 round unless --rounds, JSON "
+                        "hf-export-<date>-profile.json, README untouched")
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
     if set(modes) - set(MODES):
@@ -744,23 +882,24 @@ def main(argv: list[str] | None = None) -> int:
     wanted = None if args.systems is None else set(args.systems.split(","))
     systems = {m: tuple(s for s in SYSTEMS[m] if wanted is None or s in wanted) for m in modes}
     size = parse_size(args.size or ("64MiB" if args.quick else "1GiB"))
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick or args.profile else 3)
     command = "python -m bench.hf_export " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     record = run(modes, systems, size, args.layers, rounds, args.max_shard_size, args.verify,
                  Path(args.workdir) if args.workdir else None, command.strip(),
-                 log=lambda m: print(m, flush=True))
+                 log=lambda m: print(m, flush=True), profile=args.profile)
     from .report import update_readme
 
     bench = Path(__file__).resolve().parent
-    default_name = f"hf-export-{record['date']}{'-quick' if args.quick else ''}.json"
+    suffix = "-quick" if args.quick else "-profile" if args.profile else ""
+    default_name = f"hf-export-{record['date']}{suffix}.json"
     out = Path(args.out) if args.out else bench / "results" / default_name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     markdown = render(record)
     print("\n" + markdown + "\n")
     print(f"results written to {out}")
-    if not args.quick and not args.no_readme:
+    if not args.quick and not args.profile and not args.no_readme:
         update_readme(bench / "README.md", markdown, "hf-export")
         print(f"block rendered into {bench / 'README.md'}")
     return 0

@@ -118,7 +118,7 @@ WARMUP_TAG = "warmup"
 WARMUP_SIZE = 4 << 20
 MODES = ("live", "checkpoint")
 SYSTEMS: dict[str, tuple[str, ...]] = {
-    "live": ("dcp_ext", "torch", "torch_every_rank", "today"),
+    "live": ("dcp_ext", "torch", "torch_every_rank", "today", "raw"),
     "checkpoint": ("dcp_ext", "torch", "today"),
 }
 LABELS = {
@@ -127,6 +127,8 @@ LABELS = {
     ("live", "torch_every_rank"): "torch `dcp.save` + `HuggingFaceStorageWriter(save_distributed=True)`, then "
                                   "`consolidate_safetensors_files_on_every_rank`",
     ("live", "today"): "today: `dcp_ext.full.save_full` (one file, all-gather per tensor)",
+    ("live", "raw"): "raw ceiling (not an HF folder): each rank `os.write`s its own shards (half of every tensor) to one file "
+                     "+ fsync, no exchange",
     ("checkpoint", "dcp_ext"): "dcp_ext `export_hf` (2 ranks)",
     ("checkpoint", "torch"): "torch: `dcp.load` (dcp_ext `CheckpointReader`) + `dcp.save` + "
                              "`HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)`",
@@ -256,6 +258,7 @@ def _tree_bytes(path: str) -> tuple[int, int, int]:
 def _run_system(mode: str, system: str, rank: int, world: int, cfg: dict[str, Any], state: Any, spec: Any,
                 mesh: Any, source: str, dest: str) -> None:
     """(all ranks of the system's world) One export of ``mode``/``system`` into ``dest``, outputs fsynced."""
+    import torch
     import torch.distributed.checkpoint as dcp
 
     max_shard = cfg["max_shard_size"]
@@ -280,6 +283,19 @@ def _run_system(mode: str, system: str, rank: int, world: int, cfg: dict[str, An
         os.makedirs(dest)  # export() writes into an existing directory
         dcp_ext.CheckpointManager(os.path.dirname(source)).export(
             os.path.basename(source).removesuffix("_partial"), out=os.path.join(dest, "model.safetensors"))
+    elif mode == "live" and system == "raw":
+        os.makedirs(dest, exist_ok=True)
+        fd = os.open(os.path.join(dest, f"rank{rank}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for value in state.values():
+                local = value.to_local() if hasattr(value, "to_local") else value
+                view = memoryview(local.contiguous().view(-1).view(torch.uint8).numpy())
+                while view.nbytes:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_path(dest, directory=True)
     elif system in ("torch", "torch_every_rank"):
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -374,6 +390,9 @@ def measure_world(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         phases.install()
         profiler = cProfile.Profile()
     dist.barrier()
+    import resource
+
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     with RssSampler(0.01) as sampler:
         t0 = time.perf_counter()
         if profiler is not None:
@@ -382,6 +401,7 @@ def measure_world(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if profiler is not None:
             profiler.disable()
         seconds = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     maxrss_after = _maxrss()
     peak = max(sampler.peak, maxrss_after if maxrss_after > maxrss_before else 0)
     slowest = torch.tensor([seconds], dtype=torch.float64)
@@ -391,7 +411,8 @@ def measure_world(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if phases is not None and profiler is not None:
         phases.uninstall()
         extra = {"phases": phases.report(), "profile": _top_functions(profiler)}
-    return {**extra, "rank": rank, "seconds": seconds, "slowest": float(slowest.item()), "rss_baseline": baseline,
+    return {**extra, "rank": rank, "seconds": seconds, "cpu_user": cpu1.ru_utime - cpu0.ru_utime,
+            "cpu_system": cpu1.ru_stime - cpu0.ru_stime, "slowest": float(slowest.item()), "rss_baseline": baseline,
             "rss_peak_sampled": sampler.peak, "rss_samples": sampler.samples, "ru_maxrss_before": maxrss_before,
             "ru_maxrss_after": maxrss_after, "rss_peak": peak, "build_seconds": built, "warmup_seconds": warmup}
 
@@ -658,7 +679,7 @@ def run(modes: tuple[str, ...], systems: dict[str, tuple[str, ...]], size: int, 
                 "seconds": ranks[0]["slowest"], "ranks": ranks, "bytes_written": written, "files_written": files,
                 "output_bytes": top, "loadavg_before": load, "world_seconds": wall,
             }
-            check = verify == "all" or (verify == "first" and (mode, system) not in verified)
+            check = system != "raw" and (verify == "all" or (verify == "first" and (mode, system) not in verified))
             if check and expected is not None:
                 t1 = time.monotonic()
                 sample["verified"] = verify_output(dest, spec, expected)
@@ -668,8 +689,10 @@ def run(modes: tuple[str, ...], systems: dict[str, tuple[str, ...]], size: int, 
             os.sync()
             samples.append(sample)
             above = ", ".join(f"{(r['rss_peak'] - r['rss_baseline']) / MiB:,.0f}" for r in ranks)
+            cpu = ", ".join(f"{r['cpu_user'] + r['cpu_system']:.2f}" for r in ranks)
             log(f"  [r{rnd + 1}/{rounds} {mode:<10} {system:<16}] {sample['seconds']:6.2f}s "
                 f"{spec.nbytes / sample['seconds'] / 1e9:6.3f} GB/s  peak RSS above baseline {above} MiB  "
+                f"CPU {cpu} s  "
                 f"written {written / MiB:,.0f} MiB in {files} files"
                 + (f"  verified {sample['verified']['tensors']} tensors" if "verified" in sample else "")
                 + f"  (load {load[0]:.2f}; world {wall:.0f}s)")
@@ -734,6 +757,8 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
                 "rss_above": [_stats([(s["ranks"][k]["rss_peak"] - s["ranks"][k]["rss_baseline"]) for s in mine])
                               for k in range(world)],
                 "rss_baseline": [_stats([s["ranks"][k]["rss_baseline"] for s in mine]) for k in range(world)],
+                "cpu": [_stats([s["ranks"][k].get("cpu_user", 0.0) + s["ranks"][k].get("cpu_system", 0.0)
+                                for s in mine]) for k in range(world)],
                 "bytes_written": statistics.median(s["bytes_written"] for s in mine),
                 "files_written": statistics.median(s["files_written"] for s in mine),
                 "verified": [s["verified"] for s in mine if "verified" in s],
@@ -808,8 +833,9 @@ def render(record: dict[str, Any]) -> str:
         "measurements; every system's time includes fsync of its outputs (torch's consolidated files are fsynced by "
         "the harness, timed); from a checkpoint the source is in the page cache for every system. Median "
         "(min–max) of the rounds; GB/s = tensor bytes / seconds (slowest rank, barrier to return). RSS: peak above "
-        "the rank's RSS right before the call (which includes the state it holds), sampled every 10 ms; ratios: "
-        "ratio of medians [median of same-round ratios].",
+        "the rank's RSS right before the call (which includes the state it holds), sampled every 10 ms. CPU s: "
+        "user + system time of the rank's process during the call (all its threads; the kernel's writeback "
+        "threads not included). Ratios: ratio of medians [median of same-round ratios].",
     ]
     if "checkpoint" in summary and "setup" in record:
         s = record["setup"]
@@ -820,16 +846,18 @@ def render(record: dict[str, Any]) -> str:
         rows = data["systems"]
         lines += ["", f"#### {titles[mode]}", "",
                   "| system | s | GB/s | peak RSS above baseline, rank 0 (MiB) | rank 1 (MiB) | "
-                  "bytes written (MiB) | files | output bit-exact |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "CPU s, rank 0 / rank 1 | bytes written (MiB) | files | output bit-exact |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for system, row in rows.items():
             gbps = (f"{row['gbps']:.3f} <sub>({row['gbps_min']:.2f}–{row['gbps_max']:.2f})</sub>")
             checked = row["verified"]
             lines.append(
                 f"| {LABELS[(mode, system)]} | {_sec(row['seconds'])} | {gbps} | {_mib(row['rss_above'][0])} | "
                 f"{_mib(row['rss_above'][1]) if len(row['rss_above']) > 1 else '– (1 process)'} | "
+                + " / ".join(f"{c['median']:.2f}" for c in row["cpu"] if c is not None) + " | "
                 f"{row['bytes_written'] / MiB:,.0f} | {row['files_written']:.0f} | "
-                + (f"yes ({len(checked)} checked)" if checked else "not checked") + " |")
+                + ("n/a (not HF)" if system == "raw" else f"yes ({len(checked)} checked)" if checked
+                   else "not checked") + " |")
         if data["ratios"]:
             lines += ["", "Ratios (GB/s of dcp_ext / GB/s of the other, same run): " + "; ".join(
                 f"/ {system}: **{r['ratio']:.2f}×**" + (f" [{r['paired']:.2f}]" if r["paired"] is not None else "")

@@ -27,7 +27,10 @@ Two sources, each exported by several systems:
     rank 0 the index); the distributed consolidation torch offers;
   * ``today``: ``dcp_ext.full.save_full`` into ``dest/model.safetensors`` (what
     ``CheckpointManager.save(tag, model, partial=False)`` runs: every rank
-    all-gathers each tensor in turn, the coordinator streams one file).
+    all-gathers each tensor in turn, the coordinator streams one file);
+  * ``raw`` (a ceiling, not an HF folder): each rank ``os.write``\ s the bytes
+    of its own shards to one file and fsyncs it: the same bytes written by
+    both ranks at once with no exchange, no headers, no Python per tensor.
 
 * **checkpoint**: the 2-rank partial checkpoint ``ROOT/bench_partial`` written
   once by ``CheckpointManager(ROOT).save("bench", model)``:
@@ -74,7 +77,9 @@ Conditions, the same for every system:
   baseline is the RSS right before the call (after ``gc.collect()`` and
   ``malloc_trim``), so for the live systems it includes the state the rank
   already holds: "above the state". ``checkpoint/torch`` has to build the
-  state inside the call, so its figure includes it.
+  state inside the call, so its figure includes it. CPU: user + system
+  seconds of the rank's process during the call (``getrusage``, all its
+  threads; the kernel's writeback threads are not counted).
 * **Order**: rounds alternate the order of the systems (round r rotates the
   list by r) and of the two sources.
 * **Correctness**: after the world ended (untimed), the parent reads every

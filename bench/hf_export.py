@@ -864,8 +864,9 @@ def render(record: dict[str, Any]) -> str:
                 + ("n/a (not HF)" if system == "raw" else f"yes ({len(checked)} checked)" if checked
                    else "not checked") + " |")
         if data["ratios"]:
-            lines += ["", "Ratios (GB/s of dcp_ext / GB/s of the other, same run): " + "; ".join(
-                f"/ {system}: **{r['ratio']:.2f}×**" + (f" [{r['paired']:.2f}]" if r["paired"] is not None else "")
+            lines += ["", "Ratios of GB/s, same run (ratio of medians [median of same-round ratios]): " + "; ".join(
+                f"dcp_ext / {system}: **{r['ratio']:.2f}×**"
+                + (f" [{r['paired']:.2f}]" if r["paired"] is not None else "")
                 for system, r in data["ratios"].items()) + "."]
         if data["targets"]:
             lines += ["", "| target | threshold | measured | met |", "|---|---:|---:|---|"]
@@ -937,10 +938,21 @@ def main(argv: list[str] | None = None) -> int:
                         "dir on /work's disk)")
     parser.add_argument("--out", default=None, help="results JSON (default bench/results/hf-export-<date>.json)")
     parser.add_argument("--no-readme", action="store_true", help="leave bench/README.md alone")
+    parser.add_argument("--render", metavar="JSON", help="only re-render README's block from a results JSON")
     parser.add_argument("--profile", action="store_true", help="instrumented run (phase timers and cProfile in "
                         "every rank; times carry their overhead): 1 round unless --rounds, JSON "
                         "hf-export-<date>-profile.json, README block hf-export-profile")
     args = parser.parse_args(argv)
+    if args.render:
+        from .report import update_readme
+
+        rendered = json.loads(Path(args.render).read_text())
+        profiled = rendered["params"].get("profile", False)
+        text = render_profile(rendered) if profiled else render(rendered)
+        update_readme(Path(__file__).resolve().parent / "README.md", text,
+                      "hf-export-profile" if profiled else "hf-export")
+        print(text)
+        return 0
     modes = tuple(m for m in args.modes.split(",") if m)
     if set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(set(modes) - set(MODES))}")

@@ -36,8 +36,9 @@ from .errors import (
     unwrap_checkpoint_exception,
 )
 from .hf_export import HFExportReport, export_hf, save_hf
-from .integrity import Problem, VerifyReport, verify
+from .integrity import Problem, VerifyReport, verify, verify_full
 from .layout import InvalidTagError, MeshInfo, Partition, RankPartition, TagInfo
+from .model_registry import register_model, registered_model
 from .manager import CheckpointManager, ResumeResult, close_checkpoints, resume_from_checkpoint, save_checkpoint
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
 from .pretrained import FullCheckpointReader, PretrainedLoadReport, load_pretrained
@@ -69,6 +70,8 @@ __all__ = [
     "save_checkpoint",
     "resume_from_checkpoint",
     "close_checkpoints",
+    "register_model",
+    "registered_model",
     "load_pretrained",
     "PretrainedLoadReport",
     "save_hf",
@@ -84,6 +87,7 @@ __all__ = [
     "TagInfo",
     "UnsafeUserContentError",
     "verify",
+    "verify_full",
     "compact",
     "CompactReport",
     "VerifyReport",

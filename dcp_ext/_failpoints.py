@@ -28,6 +28,8 @@ rank's error:
 
 * ``mid_exchange``: a rank preparing the second batch of a read-once
   exchange (the first, when there is only one).
+* ``mid_hf_export``: a rank has written a tensor of a Hugging Face export
+  (:mod:`dcp_ext.hf_export`), before its file is committed.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ __all__ = ["crash_point", "fail_point", "InjectedFailure", "reload", "POINTS", "
 
 POINTS = ("before_data", "mid_data", "after_data", "before_metadata", "before_newest", "mid_retention")
 TIER_POINTS = ("mid_local_commit", "mid_replication", "mid_drain", "before_drain_commit")
-FAIL_POINTS = ("mid_exchange",)
+FAIL_POINTS = ("mid_exchange", "mid_hf_export")
 
 _armed: frozenset[str] = frozenset()
 _failing: frozenset[str] = frozenset()

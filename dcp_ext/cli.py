@@ -18,17 +18,20 @@ import sys
 import traceback
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import demo
-from .metadata import DecodedMetadata, StoredItem
+from .metadata import METADATA_FILE, DecodedMetadata, StoredItem
 from .metadata.chunk_table import ChunkLocations, KeyTotals
 from ._safetensors import MAX_HEADER, parse_header
 from .config import IOConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
 from .full import CREATED_KEY
-from .integrity import read_own_metadata, verify
+from .hf_layout import HF_INDEX_FILE
+from .integrity import read_own_metadata, verify, verify_full
 from .layout import PARTIAL_SUFFIX
+from .pretrained import HF_MARKERS
 from .retention import KeepEvery, KeepLast, RetentionPolicy
 from .compact import compact
 from .root import RETIRED_FILE, CheckpointRoot
@@ -123,6 +126,18 @@ def _full_checkpoint_entry(store: Store, name: str) -> dict[str, Any] | None:
     return entry | {"format": "safetensors", "created": float(created) if created else None}
 
 
+def _hf_folder_entry(root: CheckpointRoot, tag: str) -> dict[str, Any]:
+    """The ``ls`` entry of the Hugging Face folder ``ROOT/{tag}/`` (its index exists)."""
+    store = root.hf_store(tag)
+    entry: dict[str, Any] = {"tag": tag, "state": "full", "format": "hf", "newest": False, "stored_bytes": None,
+                             "ratio": 1.0, "world_size": None, "mesh": None, "created": store.modified(HF_INDEX_FILE)}
+    try:
+        files = sorted(set(json.loads(store.read_file(HF_INDEX_FILE))["weight_map"].values()))
+        return entry | {"stored_bytes": sum(store.size(f) for f in files)}
+    except (DcpExtError, ValueError, KeyError, TypeError, AttributeError):
+        return entry | {"state": "damaged"}
+
+
 def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, Any]) -> dict[str, Any]:
     """The ``ls`` entry of ``ROOT/{tag}_partial``: committed, incomplete or damaged."""
     path = join_path(root, tag + PARTIAL_SUFFIX)
@@ -159,9 +174,14 @@ def _load_metadata(path: str, options: dict[str, Any]) -> DecodedMetadata:
 
 
 def _full_checkpoint_file(path: str, options: dict[str, Any]) -> bool:
-    """Whether ``path`` names a file (a full checkpoint) rather than a directory."""
+    """Whether ``path`` names a full checkpoint: a file rather than a
+    directory, or a Hugging Face folder (``model.safetensors`` or its index,
+    and no dcp_ext metadata)."""
     parent, _, name = path.rstrip("/").rpartition("/")
-    return bool(parent and name) and open_store(parent, IOConfig.from_env(), options).exists(name)
+    if bool(parent and name) and open_store(parent, IOConfig.from_env(), options).exists(name):
+        return True
+    store = open_store(path, IOConfig.from_env(), options)
+    return not store.exists(METADATA_FILE) and any(store.exists(n) for n in HF_MARKERS)
 
 
 def _key_entries(metadata: Metadata) -> list[dict[str, Any]]:
@@ -246,6 +266,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                             "stored_bytes": None, "ratio": None, "world_size": None, "mesh": None, "created": None,
                             "tiers": [label for label, tags in tiers if tag in tags]})
     entries += [e for name in root.full_candidates() if (e := _full_checkpoint_entry(store, name))]
+    entries += [_hf_folder_entry(root, tag) for tag in root.hf_folders()]
     if args.json:
         print(json.dumps({"root": store.describe(), "newest": newest, "checkpoints": entries}, indent=1))
         return 0
@@ -297,7 +318,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     path, options = normalize_path(args.checkpoint), _options(args)
     if _full_checkpoint_file(path, options):
-        return _verify_full(path, options)
+        return _verify_full(path, options, args.quiet)
     bar = _ProgressBar("verifying", args.quiet)
     try:
         report = verify(path, storage_options=options, progress=bar, present_only=args.local_copy)
@@ -307,21 +328,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _verify_full(path: str, options: dict[str, Any]) -> int:
-    """A full checkpoint has no checksums: check its header and that every tensor lies inside the file."""
-    from .pretrained import FullCheckpointReader
-
-    reader = FullCheckpointReader(path, storage_options=options)
-    items = list(reader.read_metadata().storage_data.values())
-    parent, _, name = path.rstrip("/").rpartition("/")
-    size = open_store(parent, IOConfig.from_env(), options).size(name)
-    end = max((i.offset + i.length for i in items), default=0)
-    if end > size:
-        print(f"{path}: full checkpoint is truncated: its header needs {end} bytes, the file has {size}")
-        return 1
-    print(f"{path}: full checkpoint, {len(items)} tensors, header and sizes OK "
-          "(full checkpoints carry no checksums: verify the partial checkpoint it was exported from)")
-    return 0
+def _verify_full(path: str, options: dict[str, Any], quiet: bool) -> int:
+    """Check a full checkpoint against the checksums recorded in its sidecar."""
+    bar = _ProgressBar("verifying", quiet)
+    try:
+        report = verify_full(path, storage_options=options, progress=bar)
+    finally:
+        bar.close()
+    print(report)
+    if report.unchecked_items and not report.frames:
+        print("  (no checksums were recorded for this full checkpoint: only its header and size were checked)")
+    return 0 if report.ok else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -329,20 +346,35 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     path = normalize_path(args.checkpoint).rstrip("/")
     root, _, name = path.rpartition("/")
-    if not name.endswith(PARTIAL_SUFFIX):
-        raise ValueError(f"{path} is not a partial checkpoint directory (its name must end with {PARTIAL_SUFFIX})")
+    out: str | None
+    if name.endswith(PARTIAL_SUFFIX):  # export ROOT/TAG_partial OUT
+        out = normalize_path(args.out)
+        if "/" not in out:
+            out = "./" + out
+    elif "/" not in args.out:  # export ROOT TAG: into the root, as the tag
+        root, name, out = path, args.out + PARTIAL_SUFFIX, None
+    else:
+        raise ValueError(f"{path} is not a partial checkpoint directory (its name must end with {PARTIAL_SUFFIX}); "
+                         f"pass ROOT/TAG{PARTIAL_SUFFIX} OUT, or ROOT TAG")
     manager = CheckpointManager(root, storage_options=_options(args))
-    out = normalize_path(args.out)
-    if "/" not in out:
-        out = "./" + out
+    hf: dict[str, Any] = {}
+    if args.format == "hf":
+        hf = {"max_shard_size": args.max_shard_size, "dtype": _EXPORT_DTYPES[args.dtype] if args.dtype else None,
+              "hf_config": None if args.hf_config is None else open(args.hf_config, encoding="utf-8").read()}
+    elif args.dtype or args.max_shard_size != "5GB" or args.hf_config:
+        raise ValueError("--dtype, --max-shard-size and --hf-config apply to --format hf only")
     bar = _ProgressBar(f"exporting ({args.format})", args.quiet)
     try:
         written = manager.export(name[: -len(PARTIAL_SUFFIX)], out=out, full_format=args.format,
-                                 include_optimizer=args.include_optimizer, overwrite=args.overwrite, progress=bar)
+                                 include_optimizer=args.include_optimizer, overwrite=args.overwrite, progress=bar,
+                                 **hf)
     finally:
         bar.close()
     print(written)
     return 0
+
+
+_EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -407,11 +439,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-copy", action="store_true",
                    help="a node's copy in a local tier: check the files it has, list the others as absent")
     storage(p)
-    p = commands.add_parser("export", help="write a full single-file checkpoint from a partial one")
-    p.add_argument("checkpoint", help="ROOT/{tag}_partial")
-    p.add_argument("out", help="output file path or URL")
-    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors",
-                   help="safetensors (default) or a torch.save file of a {name: tensor} dict")
+    p = commands.add_parser("export", help="write a full checkpoint (one file, or a Hugging Face folder) from a "
+                                           "partial one")
+    p.add_argument("checkpoint", help="ROOT/{tag}_partial, or ROOT (then OUT is the tag, written as ROOT/{tag})")
+    p.add_argument("out", help="output file or folder path or URL, or the tag when CHECKPOINT is ROOT")
+    p.add_argument("--format", choices=("safetensors", "torch", "hf"), default="safetensors",
+                   help="safetensors (default), a torch.save file of a {name: tensor} dict, or hf: a Hugging "
+                        "Face folder (sharded safetensors + model.safetensors.index.json)")
+    p.add_argument("--dtype", choices=sorted(_EXPORT_DTYPES), help="hf: cast floating tensors to this dtype")
+    p.add_argument("--max-shard-size", default="5GB", help="hf: most bytes per file, e.g. 5GB (default), 500MB")
+    p.add_argument("--hf-config", metavar="FILE", help="hf: a config.json to put in the folder")
     p.add_argument("--include-optimizer", action="store_true", help="also write the optimizer's tensors")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

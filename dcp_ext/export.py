@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from .config import IOConfig
-from .full import FullTensorSpec, full_layout, stream_full_checkpoint
+from .full import FullTensorSpec, commit_with_checksums, full_layout, stream_full_checkpoint
+from .full_checksums import ChecksumRecorder
 from .reader import CheckpointReader
 from .storage import Store
 
@@ -58,6 +59,9 @@ def export_partial(
     Args:
         progress: Called as ``progress(bytes_done, bytes_total)`` before each
             tensor is read and once at the end (``bytes_done == bytes_total``).
+
+    The file's frame checksums go into its sidecar ``name.checksums.json``
+    (:mod:`dcp_ext.full_checksums`), written after it.
 
     Returns:
         Bytes written.
@@ -104,9 +108,10 @@ def export_partial(
         reader.read_data(LoadPlan(items), cast(LoadPlanner, _IntoTensor(dest)))
         return dest
 
+    recorder = ChecksumRecorder(name, reader.config.frame_size)
     with target.open_writer(name, size_hint=total) as writer:
-        stream_full_checkpoint(writer, specs, layout, fetch)
-        writer.commit()
+        size = stream_full_checkpoint(writer, specs, layout, fetch, recorder)
+        commit_with_checksums(target, name, writer, recorder, size)
     if progress is not None:
         progress(total, total)
     return total

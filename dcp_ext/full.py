@@ -29,11 +29,15 @@ from torch.serialization import skip_data
 from ._safetensors import build_header
 from ._torch_format import _HoleRecorder, tensor_bytes
 from .errors import CheckpointExistsError, DcpExtError
+from .full_checksums import ChecksumRecorder, encode_sidecar, sidecar_name
 from .layout import user_content_name
 from .process_group import GroupView
 from .storage import ObjectWriter, Store
 
-__all__ = ["CREATED_KEY", "FULL_FORMATS", "FullTensorSpec", "full_layout", "stream_full_checkpoint", "save_full"]
+__all__ = [
+    "CREATED_KEY", "FULL_FORMATS", "FullTensorSpec", "full_layout", "stream_full_checkpoint", "commit_with_checksums",
+    "save_full",
+]
 
 FULL_FORMATS = ("safetensors", "torch")
 # Safetensors header metadata: when the file was written (Unix time, fixed
@@ -124,7 +128,8 @@ def stream_full_checkpoint(
     specs: Sequence[FullTensorSpec],
     layout: FullLayout,
     fetch: Callable[[int], torch.Tensor | None],
-) -> None:
+    recorder: ChecksumRecorder | None = None,
+) -> int:
     """Write a full checkpoint, one tensor in memory at a time.
 
     Args:
@@ -141,8 +146,10 @@ def stream_full_checkpoint(
     Raises:
         ValueError: A fetched tensor's dtype or shape differs from its spec.
     """
+    position = 0
     if writer is not None:
         writer.write(layout.segments[0])
+        position = len(layout.segments[0])
     for segment, index in zip(layout.segments[1:], layout.order):
         tensor = fetch(index)
         if writer is not None:
@@ -151,11 +158,31 @@ def stream_full_checkpoint(
                 got = None if tensor is None else (tensor.dtype, tuple(tensor.shape))
                 raise ValueError(f"tensor {spec.name!r}: expected {spec.dtype} {spec.shape}, got {got}")
             data = tensor.detach().to("cpu").contiguous()
-            writer.write(tensor_bytes(data))
-            del data
+            raw = tensor_bytes(data)
+            if recorder is not None:
+                recorder.add(spec.name, position, raw)
+            writer.write(raw)
+            position += len(raw)
+            del data, raw
             writer.write(segment)
+            position += len(segment)
         del tensor
     # Tensors with no data (0 elements) have no region: nothing to fetch.
+    return position
+
+
+def commit_with_checksums(store: Store, name: str, writer: ObjectWriter, recorder: ChecksumRecorder, size: int) -> None:
+    """Commit the full checkpoint ``store/name`` and then its checksum sidecar.
+
+    The old sidecar (of a file being overwritten) goes first, so that no
+    sidecar ever describes bytes other than the file's: a crash before the
+    new one is written leaves a file that loads unverified.
+    """
+    sidecar = sidecar_name(name)
+    if store.exists(sidecar):
+        store.delete(sidecar)
+    writer.commit()
+    store.write_file(sidecar, encode_sidecar([recorder.finish(size)]))
 
 
 def spec_of(name: str, value: Any) -> FullTensorSpec:
@@ -172,6 +199,7 @@ def save_full(
     fmt: str = "safetensors",
     user_content: bytes | None = None,
     overwrite: bool = False,
+    frame_size: int = 1 << 20,
 ) -> None:
     """(all ranks) Write ``state``'s tensors as one full checkpoint ``store/name``.
 
@@ -187,6 +215,7 @@ def save_full(
         fmt: ``"safetensors"`` or ``"torch"``.
         user_content: Encoded user content, stored as ``user_content_{name}``.
         overwrite: Replace an existing file.
+        frame_size: Bytes per checksummed frame (see :mod:`dcp_ext.full_checksums`).
 
     Raises:
         CheckpointExistsError: The file exists and ``overwrite`` is off (every rank).
@@ -216,13 +245,14 @@ def save_full(
         whole = value.full_tensor() if hasattr(value, "full_tensor") else value
         return whole if coordinator else None
 
+    recorder = ChecksumRecorder(name, frame_size)
     failure: BaseException | None = None
     try:
-        stream_full_checkpoint(writer, specs, layout, fetch)
+        size = stream_full_checkpoint(writer, specs, layout, fetch, recorder)
         if writer is not None:
             if user_content is not None:
                 store.write_file(user_content_name(name), user_content)
-            writer.commit()
+            commit_with_checksums(store, name, writer, recorder, size)
     except BaseException as err:
         failure = err
         if writer is not None:

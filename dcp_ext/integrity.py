@@ -32,7 +32,7 @@ from .read_planning import ChunkShapes
 from .reader import CheckpointReader
 from .storage import Store, normalize_path, open_store
 
-__all__ = ["verify", "VerifyReport", "Problem"]
+__all__ = ["verify", "verify_full", "VerifyReport", "Problem"]
 
 # Stored bytes held in memory at once while verifying.
 _BATCH_BYTES = 64 * 1024 * 1024
@@ -242,13 +242,91 @@ def verify(
     reader = CheckpointReader(url, storage_options=storage_options, config=config, store=store)
     references = sorted(decoded.incremental.references) if decoded.incremental is not None else []
     missing_references = _missing_references(reader, references)
+    checked = _check_frames(store, reader, readable, ChunkShapes(decoded.metadata.state_dict_metadata),
+                            missing_references, problems, config, progress)
+    for name, keys in missing_references.items():
+        problems.append(Problem(name, 0, 0, tuple(keys), f"{reader.describe(name)} is missing: this incremental "
+                                "checkpoint refers to its frames (it was deleted by hand, or copied without it)"))
+    return VerifyReport(
+        store.url, len(decoded.files) - len(absent), checked.frames, checked.done, checked.unchecked,
+        tuple(sorted(problems, key=lambda p: (p.file, p.start))), tuple(absent), tuple(references),
+    )
+
+
+def verify_full(
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    config: IOConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Check a full checkpoint (a file, or a Hugging Face folder) against the
+    frame checksums recorded in its sidecar (:mod:`dcp_ext.full_checksums`).
+
+    Called by one process. Tensors of a file without a sidecar (written by
+    another tool, or before dcp_ext recorded checksums) are counted as
+    ``unchecked_items``; their file must still hold every tensor its header
+    lists.
+
+    Raises:
+        CheckpointNotFoundError, NotACheckpointError: No full checkpoint at ``path``.
+        CheckpointCorruptError: Its header, index or sidecar is damaged, or a
+            file's size differs from the one its checksums were recorded for.
+    """
+    from .pretrained import FullCheckpointReader
+
+    config = config or IOConfig.from_env()
+    reader = FullCheckpointReader(path, storage_options=storage_options, config=config)
+    metadata = reader.read_metadata()
+    store = reader.store
+    readable: dict[str, list[tuple[MetadataIndex, StoredItem]]] = {}
+    for index, item in metadata.storage_data.items():
+        # One chunk per tensor: problems name the tensor alone.
+        readable.setdefault(item.relative_path, []).append((MetadataIndex(index.fqn), item))
+    problems: list[Problem] = []
+    for name, entries in sorted(readable.items()):
+        entries.sort(key=lambda e: e[1].offset)
+        size = store.size(name)
+        end = max(item.offset + item.length for _, item in entries)
+        if size < end:
+            lost = [(i, it) for i, it in entries if it.offset + it.length > size]
+            problems.append(Problem(name, size, end, tuple(_key(i) for i, _ in lost),
+                                    f"file is truncated: {size} bytes, its header needs {end}"))
+            readable[name] = [(i, it) for i, it in entries if it.offset + it.length <= size]
+    checked = _check_frames(store, reader, readable, None, {}, problems, config, progress)
+    return VerifyReport(
+        reader.source, len(readable), checked.frames, checked.done, checked.unchecked,
+        tuple(sorted(problems, key=lambda p: (p.file, p.start))),
+    )
+
+
+@dataclass(frozen=True)
+class _Checked:
+    frames: int
+    done: int
+    unchecked: int
+
+
+def _check_frames(
+    store: Store,
+    reader: CheckpointReader,
+    readable: dict[str, list[tuple[MetadataIndex, StoredItem]]],
+    chunks: ChunkShapes | None,
+    missing_references: dict[str, list[str]],
+    problems: list[Problem],
+    config: IOConfig,
+    progress: Callable[[int, int], None] | None,
+) -> _Checked:
+    """Read every frame of ``readable``'s items (and, with ``chunks``, each
+    uncompressed tensor's torch.save envelope) and check it, appending what
+    is wrong to ``problems``; frames in ``missing_references`` are listed
+    there instead of read."""
     total = sum(max(it.length, it.data_length) for entries in readable.values() for _, it in entries)
     done = frames = unchecked = 0
     # (key, item, region, buffer, check): a region is a frame, or the
     # torch.save envelope around an uncompressed tensor (index -1).
     batch: list[tuple[MetadataIndex, StoredItem, FrameSpan, memoryview, Callable[[memoryview], str]]] = []
     batch_bytes = 0
-    chunks = ChunkShapes(decoded.metadata.state_dict_metadata)
 
     def run_batch() -> None:
         nonlocal done, frames, batch_bytes
@@ -298,16 +376,10 @@ def verify(
                     missing_references[frame.file].append(f"{_key(index)} frame {k + 1}/{len(table)}")
                     continue
                 add(index, item, frame, functools.partial(_check, item, frame))
-            for region, expected in _envelope_regions(index, item, chunks):
+            for region, expected in _envelope_regions(index, item, chunks) if chunks is not None else ():
                 add(index, item, region, functools.partial(_check_envelope, expected))
     run_batch()
-    for name, keys in missing_references.items():
-        problems.append(Problem(name, 0, 0, tuple(keys), f"{reader.describe(name)} is missing: this incremental "
-                                "checkpoint refers to its frames (it was deleted by hand, or copied without it)"))
-    return VerifyReport(
-        store.url, len(decoded.files) - len(absent), frames, done, unchecked,
-        tuple(sorted(problems, key=lambda p: (p.file, p.start))), tuple(absent), tuple(references),
-    )
+    return _Checked(frames, done, unchecked)
 
 
 def _missing_references(reader: CheckpointReader, references: list[str]) -> dict[str, list[str]]:

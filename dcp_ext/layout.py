@@ -13,6 +13,7 @@
     │   ├── .metadata                # torch's metadata (interop)
     │   └── dcp_ext.metadata.json    # dcp_ext's metadata: the commit marker
     ├── step100                      # full checkpoint: the whole model in one file
+    ├── step100.checksums.json       # its frame checksums, written after it
     └── user_content_step100         # its user content
 
 With ``IOConfig(key_prefixes=N)`` each data file goes one directory deeper,
@@ -47,6 +48,7 @@ __all__ = [
     "PARTITION_FILE",
     "USER_CONTENT_FILE",
     "PARTIAL_SUFFIX",
+    "CHECKSUMS_SUFFIX",
     "KIND_FILES",
     "kind_of",
     "item_kind",
@@ -70,6 +72,9 @@ NEWEST_FILE = "newest"
 PARTITION_FILE = "partition.json"
 USER_CONTENT_FILE = "user_content.safetensors"
 PARTIAL_SUFFIX = "_partial"
+#: The checksum sidecar of a full checkpoint file: ``step100.checksums.json``
+#: (:mod:`dcp_ext.full_checksums`).
+CHECKSUMS_SUFFIX = ".checksums.json"
 DATA_SUFFIX = ".distcp"
 
 #: State-dict top-level key -> data file stem. Anything else goes to "state".
@@ -101,10 +106,11 @@ def validate_tag(tag: object) -> str:
             f"invalid checkpoint tag {tag!r}: use 1-200 letters, digits and . _ - = +, "
             f"starting with a letter or digit (no '/', '..' or hidden names)"
         )
-    if tag in _RESERVED or tag.startswith("user_content_") or tag.endswith(PARTIAL_SUFFIX):
+    if (tag in _RESERVED or tag.startswith("user_content_") or tag.endswith(PARTIAL_SUFFIX)
+            or tag.endswith(CHECKSUMS_SUFFIX)):
         raise InvalidTagError(
             f"invalid checkpoint tag {tag!r}: it collides with a name the layout uses "
-            f"({NEWEST_FILE!r}, 'user_content_*', '*{PARTIAL_SUFFIX}')"
+            f"({NEWEST_FILE!r}, 'user_content_*', '*{PARTIAL_SUFFIX}', '*{CHECKSUMS_SUFFIX}')"
         )
     return tag
 

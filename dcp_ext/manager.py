@@ -4,7 +4,8 @@ The SageMaker model-parallel workflow on open PyTorch (DCP with plain, DDP,
 FSDP2 and tensor-parallel models) in the layout of :mod:`dcp_ext.layout`. The
 manager orchestrates; each job has its own module: the root's tags,
 ``newest``, deletion and leftovers (:mod:`dcp_ext.root`), retention policies
-(:mod:`dcp_ext.retention`), full checkpoints (:mod:`dcp_ext.full`), DCP calls
+(:mod:`dcp_ext.retention`), full checkpoints (:mod:`dcp_ext.full`; Hugging Face
+folders: :mod:`dcp_ext.hf_export`), DCP calls
 (:mod:`dcp_ext._dcp_calls`), the process group (:mod:`dcp_ext.process_group`).
 
 Order of a partial save (each step only after the previous one succeeded):
@@ -61,7 +62,9 @@ from .errors import (
     StorageFullError,
 )
 from .full import save_full
+from .hf_layout import HF_INDEX_FILE
 from .incremental import DEFAULT_MAX_CHAIN, IncrementalSave, restart_reason
+from .key_map import KeyMap, TranslateFunction, rename_keys
 from .layout import (
     PARTITION_FILE,
     USER_CONTENT_FILE,
@@ -73,6 +76,7 @@ from .layout import (
     validate_tag,
 )
 from .metadata import METADATA_FILE, read_incremental_section
+from .model_registry import with_registered
 from .nodes import NodeMap
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
 from .pretrained import load_pretrained
@@ -349,12 +353,18 @@ class CheckpointManager:
         include_optimizer: bool = False,
         retention: RetentionPolicy | None = None,
         persist: bool = False,
+        translate_if_full: bool = True,
+        translate_function: TranslateFunction | None = None,
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | None = None,
+        hf_config: dict[str, Any] | str | None = None,
     ) -> AsyncSaveHandle | None:
         """(all ranks) Save a checkpoint under ``tag``.
 
         Args:
             tag: The checkpoint's name (see :func:`dcp_ext.layout.validate_tag`).
-            model: Plain, DDP, FSDP2 or tensor-parallel module.
+            model: Plain, DDP, FSDP2 or tensor-parallel module (default: the
+                one given to :func:`dcp_ext.register_model`, with its optimizer).
             optimizer: Its optimizer (partial checkpoints only, unless
                 ``include_optimizer``).
             user_content: Extra state (see :mod:`dcp_ext.user_content`);
@@ -371,7 +381,10 @@ class CheckpointManager:
                 errors included, is the same on every rank. A save started
                 while another is in flight first waits for that one.
             overwrite: Replace an existing checkpoint with this tag.
-            full_format: ``"safetensors"`` or ``"torch"`` (full checkpoints).
+            full_format: ``"safetensors"`` or ``"torch"`` (one file
+                ``ROOT/{tag}``), or ``"hf"``: a Hugging Face folder
+                ``ROOT/{tag}/`` written by every rank at once
+                (:func:`~dcp_ext.save_hf`).
             include_optimizer: Also put the optimizer state in a full checkpoint.
             retention: A :mod:`dcp_ext.retention` policy for this save
                 (default: the manager's); not together with
@@ -379,6 +392,18 @@ class CheckpointManager:
                 applies to the persistent root.
             persist: With a local tier: drain this save to the root even if
                 it is not a ``persist_every``-th one.
+            translate_if_full: Full checkpoints: rename the keys with
+                ``translate_function`` before writing (``False``: write the
+                model's own keys). dcp_ext has no built-in translations (the
+                SageMaker library's "supported models out of the box"), so
+                without ``translate_function`` this changes nothing.
+            translate_function: Full checkpoints: called with the list of all
+                keys being saved, returns ``{model key: saved key}`` (keys
+                absent keep their name, ``None`` leaves a key out), e.g. back
+                to the original implementation's names. Not for partial saves.
+            max_shard_size: ``full_format="hf"``: most bytes of tensor data per file.
+            dtype: ``full_format="hf"``: cast floating tensors to this dtype.
+            hf_config: ``full_format="hf"``: the ``config.json`` to write (dict or JSON string).
 
         Returns:
             The save's handle when ``async_save``, else ``None``.
@@ -388,8 +413,11 @@ class CheckpointManager:
                 ``newest`` or retention failed.
         """
         validate_tag(tag)
+        model, optimizer = with_registered(model, optimizer)
         if model is None and optimizer is None:
-            raise ValueError("save needs a model and/or an optimizer")
+            raise ValueError(_NO_MODEL.format(call="save"))
+        if partial and translate_function is not None:
+            raise ValueError("translate_function applies to full checkpoints (partial=False) only")
         if num_kept_partial_checkpoints is not None and retention is not None:
             raise ValueError("pass num_kept_partial_checkpoints or retention, not both")
         policy = KeepLast(num_kept_partial_checkpoints) if num_kept_partial_checkpoints is not None else (
@@ -403,12 +431,52 @@ class CheckpointManager:
             if model is None:
                 raise ValueError("a full checkpoint needs the model")
             state = _full_state(model, optimizer if include_optimizer else None)
+            if translate_if_full and translate_function is not None:
+                state = _translated(state, translate_function, f"full checkpoint {tag!r}")
+            if full_format == "hf":
+                self._save_hf(tag, state, encoded, overwrite, max_shard_size, dtype, hf_config)
+                return None
             save_full(self.group, self.checkpoints.store, tag, state, fmt=full_format, user_content=encoded,
-                      overwrite=overwrite)
+                      overwrite=overwrite, frame_size=self.config.frame_size)
             return None
         if self.local is not None:
             return self._save_tiered(tag, model, optimizer, encoded, policy, async_save, overwrite, persist)
         return self._save_partial(tag, model, optimizer, encoded, policy, async_save, overwrite)
+
+    def _save_hf(
+        self,
+        tag: str,
+        state: dict[str, Any],
+        user_content: bytes | None,
+        overwrite: bool,
+        max_shard_size: int | str,
+        dtype: torch.dtype | None,
+        hf_config: dict[str, Any] | str | None,
+    ) -> None:
+        """(all ranks) ``state`` as the Hugging Face folder ``ROOT/{tag}/``; its
+        user content, ``ROOT/user_content_{tag}``, is written just before the index."""
+        from .hf_export import write_live_state
+
+        self.group.run_on_coordinator(lambda: self._clear_full_file(tag, overwrite))
+        store = self.checkpoints.store
+        write_live_state(
+            state, join_path(self.root, tag), max_shard_size=max_shard_size, dtype=dtype, config_json=hf_config,
+            overwrite=overwrite, process_group=self.process_group, storage_options=self.storage_options,
+            config=self.config, extra=None if user_content is None else (store, user_content_name(tag), user_content),
+        )
+
+    def _clear_full_file(self, tag: str, overwrite: bool) -> None:
+        """(coordinator) Refuse, or with ``overwrite`` delete, a single-file
+        full checkpoint ``ROOT/{tag}`` where a folder of that name is to go."""
+        store = self.checkpoints.store
+        if not store.exists(tag):
+            return
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"Checkpoint already exists: the full checkpoint {store.describe(tag)}; pass overwrite=True",
+                store.describe(tag),
+            )
+        self.checkpoints.delete(tag, partial=False)
 
     def _save_partial(
         self,
@@ -622,12 +690,17 @@ class CheckpointManager:
         partial: bool = True,
         strict: bool = True,
         allow_dtype_cast: bool = False,
+        load_optimizer: bool = True,
+        load_sharded_optimizer_state: bool = True,
+        key_map: KeyMap | None = None,
+        translate_function: TranslateFunction | None = None,
     ) -> ResumeResult:
         """(all ranks) Load a checkpoint into ``model`` / ``optimizer`` in place.
 
         Args:
             model: Plain, DDP, FSDP2 or tensor-parallel module (for full
-                checkpoints it may be on the meta device).
+                checkpoints it may be on the meta device). Default: the one
+                given to :func:`dcp_ext.register_model`, with its optimizer.
             optimizer: Its optimizer (partial checkpoints).
             tag: Which checkpoint; ``None`` means the newest committed one.
             partial: Load ``{tag}_partial/`` (``True``) or the full file ``ROOT/{tag}``.
@@ -635,6 +708,21 @@ class CheckpointManager:
                 or holds model/optimizer keys they do not have. Without an
                 optimizer only the model is loaded (a selective load).
             allow_dtype_cast: Load tensors saved in another dtype by casting.
+            load_optimizer: ``False``: load only the model from a partial
+                checkpoint, even when an optimizer is passed or registered
+                (it is left untouched).
+            load_sharded_optimizer_state: Accepted for the SageMaker API;
+                ``True`` and ``False`` load the same thing. Under DCP each rank
+                always reads its own shard of the optimizer state, resharded to
+                the current layout, so there is no separate "full optimizer
+                state" load to choose.
+            key_map: Full checkpoints: rename checkpoint keys to model keys
+                (a callable, ``None`` skipping a key, or a dict; see
+                :func:`dcp_ext.load_pretrained`).
+            translate_function: Full checkpoints, SageMaker style: called
+                with the list of all checkpoint keys, returns ``{checkpoint
+                key: model key}`` (keys absent keep their name), e.g. from the
+                original implementation's names to a tensor-parallel model's.
 
         The checkpoint may have been saved by any world size and parallel
         layout (resharding); when ``partition.json`` shows the same world size
@@ -645,18 +733,28 @@ class CheckpointManager:
             CheckpointKeyError: Missing / unexpected keys (``strict``).
             ReshardError: A shape or dtype differs, or the layout cannot be filled.
         """
+        if not isinstance(load_sharded_optimizer_state, bool):
+            raise TypeError(f"load_sharded_optimizer_state must be a bool, got {load_sharded_optimizer_state!r}")
+        if partial and (key_map is not None or translate_function is not None):
+            raise ValueError(
+                "key_map / translate_function apply to full checkpoints (partial=False); a partial "
+                "checkpoint is loaded by the keys it was saved with"
+            )
+        model, optimizer = with_registered(model, optimizer)
+        if not load_optimizer:
+            optimizer = None
         if partial and self.local is not None:
             if model is None:
-                raise ValueError("resume needs the model (and optionally its optimizer)")
+                raise ValueError(_NO_MODEL.format(call="resume"))
             return self._resume_tiered(tag, model, optimizer, strict, allow_dtype_cast)
         follow_newest = tag is None
         if tag is None:
             tag = self.group.run_on_coordinator(self._newest_or_raise)
         validate_tag(tag)
         if not partial:
-            return self._resume_full(tag, model, strict)
+            return self._resume_full(tag, model, strict, key_map, translate_function)
         if model is None:
-            raise ValueError("resume needs the model (and optionally its optimizer)")
+            raise ValueError(_NO_MODEL.format(call="resume"))
         for attempt in range(_RESUME_ATTEMPTS):
             try:
                 return self._resume_partial(tag, model, optimizer, strict, allow_dtype_cast)
@@ -783,18 +881,25 @@ class CheckpointManager:
         )
         return ResumeResult(tag, user_content, True)
 
-    def _resume_full(self, tag: str, model: nn.Module | None, strict: bool) -> ResumeResult:
+    def _resume_full(
+        self,
+        tag: str,
+        model: nn.Module | None,
+        strict: bool,
+        key_map: KeyMap | None = None,
+        translate_function: TranslateFunction | None = None,
+    ) -> ResumeResult:
         if model is None:
-            raise ValueError("resume from a full checkpoint needs the model")
+            raise ValueError(_NO_MODEL.format(call="resume from a full checkpoint"))
         store = self.checkpoints.store
-        if not store.exists(tag):
+        if not store.exists(tag) and not store.exists(f"{tag}/{HF_INDEX_FILE}"):
             raise CheckpointNotFoundError(
                 f"no full checkpoint {store.describe(tag)}; saved tags with partial=False live at ROOT/<tag>",
                 store.describe(tag),
             )
         load_pretrained(
-            model, join_path(self.root, tag), strict=strict, storage_options=self.storage_options, process_group=self.process_group,
-            config=self.config,
+            model, join_path(self.root, tag), strict=strict, key_map=key_map, translate_function=translate_function,
+            storage_options=self.storage_options, process_group=self.process_group, config=self.config,
         )
         raw = _read_optional(store, user_content_name(tag))
         content = None if raw is None else decode_user_content(raw, store.describe(user_content_name(tag)))
@@ -837,26 +942,39 @@ class CheckpointManager:
         include_optimizer: bool = False,
         overwrite: bool = False,
         progress: Callable[[int, int], None] | None = None,
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | None = None,
+        hf_config: dict[str, Any] | str | None = None,
     ) -> str:
         """Write a full checkpoint from a partial one, one tensor in memory at a time.
 
         Runs in one process (no process group needed); reads each tensor's
-        chunks with ranged reads and streams it into the output.
+        chunks with ranged reads and streams it into the output. With
+        ``full_format="hf"`` (a Hugging Face folder, :func:`~dcp_ext.export_hf`)
+        it is collective over the manager's group when ``torch.distributed``
+        is initialized: every rank writes its share of the files.
 
         Args:
             tag: The partial checkpoint.
             out: Output tag under the root (default: ``tag``), or a path/URL
                 containing ``/``.
-            full_format: ``"safetensors"`` or ``"torch"``.
+            full_format: ``"safetensors"`` or ``"torch"`` (one file), or
+                ``"hf"`` (a folder: ``ROOT/{out or tag}/`` or the path ``out``).
             include_optimizer: Also export the optimizer's tensors.
             overwrite: Replace an existing output.
             progress: Called as ``progress(bytes_done, bytes_total)`` as
-                tensors are written (the CLI draws its progress bar with it).
+                tensors are written (the CLI draws its progress bar with it;
+                with ``"hf"``, this rank's bytes).
+            max_shard_size: ``"hf"``: most bytes of tensor data per file.
+            dtype: ``"hf"``: cast floating tensors to this dtype.
+            hf_config: ``"hf"``: the ``config.json`` to write (dict or JSON string).
 
         Returns:
             Where the full checkpoint was written.
         """
         validate_tag(tag)
+        if full_format == "hf":
+            return self._export_hf(tag, out, include_optimizer, overwrite, progress, max_shard_size, dtype, hf_config)
         from .export import export_partial
 
         root_store = self.checkpoints.store
@@ -876,6 +994,39 @@ class CheckpointManager:
         if content is not None and target_store is root_store:
             root_store.write_file(user_content_name(target_name), content)
         return target_store.describe(target_name)
+
+    def _export_hf(
+        self,
+        tag: str,
+        out: str | None,
+        include_optimizer: bool,
+        overwrite: bool,
+        progress: Callable[[int, int], None] | None,
+        max_shard_size: int | str,
+        dtype: torch.dtype | None,
+        hf_config: dict[str, Any] | str | None,
+    ) -> str:
+        """(all ranks, or one process) :meth:`export` to a Hugging Face folder."""
+        from .hf_export import write_partial
+
+        extra = None
+        if out is None or "/" not in out:
+            name = validate_tag(out or tag)
+            folder = join_path(self.root, name)
+            self.group.run_on_coordinator(lambda: self._clear_full_file(name, overwrite))
+            content = self.group.run_on_coordinator(
+                lambda: _read_optional(self.checkpoints.partial_store(tag), USER_CONTENT_FILE))
+            if content is not None:
+                extra = (self.checkpoints.store, user_content_name(name), content)
+        else:
+            folder = normalize_path(out)
+        write_partial(
+            self.checkpoints.partial_url(tag), folder, include_optimizer=include_optimizer,
+            max_shard_size=max_shard_size, dtype=dtype, config_json=hf_config, overwrite=overwrite,
+            process_group=self.process_group, storage_options=self.storage_options, config=self.config,
+            extra=extra, progress=progress,
+        )
+        return folder
 
 
 @dataclass(frozen=True)
@@ -989,6 +1140,18 @@ def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> di
     return state
 
 
+def _translated(state: dict[str, Any], translate_function: TranslateFunction, where: str) -> dict[str, Any]:
+    """``state`` with its keys renamed by ``translate_function`` (``None`` leaves a key out)."""
+    names = rename_keys(list(state), translate_function=translate_function, where=where)
+    return {names[key]: value for key, value in state.items() if key in names}
+
+
+_NO_MODEL = (
+    "{call} needs the model: pass model=, or call dcp_ext.register_model(model, optimizer) once on every "
+    "rank after sharding it (the SageMaker library finds its DistributedModel the same way)"
+)
+
+
 def _read_optional(store: Store, name: str) -> bytes | None:
     try:
         return store.read_file(name)
@@ -1007,9 +1170,17 @@ def save_checkpoint(
     num_kept_partial_checkpoints: int | None = None,
     async_save: bool = False,
     storage_options: dict[str, Any] | None = None,
+    translate_if_full: bool = True,
+    translate_function: TranslateFunction | None = None,
     **kwargs: Any,
 ) -> AsyncSaveHandle | None:
     """(all ranks) ``smp.save_checkpoint`` on DCP; see :meth:`CheckpointManager.save`.
+
+    Without ``model``, the model given to :func:`dcp_ext.register_model` is
+    saved (with its optimizer unless ``optimizer`` is passed).
+    ``translate_if_full`` / ``translate_function``: full saves rename keys
+    before writing (dcp_ext has no built-in translations: without a
+    ``translate_function``, ``translate_if_full`` changes nothing).
 
     Extra keyword arguments: ``process_group``, ``mesh``, ``config``,
     ``compression``, ``async_uploads``, ``local_tier``, ``persist_every``,
@@ -1029,7 +1200,8 @@ def save_checkpoint(
     manager = _shared_manager(path, storage_options, manager_args)
     return manager.save(
         tag, model, optimizer, user_content, partial=partial,
-        num_kept_partial_checkpoints=num_kept_partial_checkpoints, async_save=async_save, **kwargs,
+        num_kept_partial_checkpoints=num_kept_partial_checkpoints, async_save=async_save,
+        translate_if_full=translate_if_full, translate_function=translate_function, **kwargs,
     )
 
 
@@ -1075,14 +1247,29 @@ def resume_from_checkpoint(
     strict: bool = True,
     storage_options: dict[str, Any] | None = None,
     allow_dtype_cast: bool = False,
+    load_optimizer: bool = True,
+    load_sharded_optimizer_state: bool = True,
+    translate_function: TranslateFunction | None = None,
+    key_map: KeyMap | None = None,
     **kwargs: Any,
 ) -> ResumeResult:
     """(all ranks) ``smp.resume_from_checkpoint`` on DCP; see :meth:`CheckpointManager.resume`.
+
+    Without ``model``, the model given to :func:`dcp_ext.register_model` is
+    loaded (with its optimizer unless ``optimizer`` is passed), so the
+    SageMaker fine-tuning call ``resume_from_checkpoint(model_dir,
+    tag="fullmodel.pt", partial=False)`` works as written once the model is
+    registered. ``load_optimizer=False`` loads the model only;
+    ``load_sharded_optimizer_state`` is accepted and changes nothing (each
+    rank always reads its shard, resharded); ``translate_function`` /
+    ``key_map`` rename keys of full checkpoints.
 
     Returns:
         The tag loaded and its ``user_content``.
     """
     manager = CheckpointManager(path, storage_options=storage_options, **kwargs)
     return manager.resume(
-        model, optimizer, tag=tag, partial=partial, strict=strict, allow_dtype_cast=allow_dtype_cast
+        model, optimizer, tag=tag, partial=partial, strict=strict, allow_dtype_cast=allow_dtype_cast,
+        load_optimizer=load_optimizer, load_sharded_optimizer_state=load_sharded_optimizer_state,
+        key_map=key_map, translate_function=translate_function,
     )

@@ -13,6 +13,11 @@ and broadcasting it.
 the zip directory gives each storage record's position, and ``data.pkl`` is
 interpreted by an unpickler that admits only tensor rebuilding, storages and
 ordered dicts.
+
+Keys are renamed on the way in with ``key_map`` or an SMP-style
+``translate_function`` (:mod:`dcp_ext.key_map`), and block-scaled FP8 weights
+are dequantized into the model's dtype with ``dequantize_fp8=True``
+(:mod:`dcp_ext.fp8`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import os
 import pickle
 import struct
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +46,9 @@ from ._dcp_calls import run_load
 from .metadata import StoredItem, validate_file_name
 from ._ranges import Piece, plan_requests
 from ._safetensors import MAX_HEADER, parse_header
+from ._torch_format import tensor_bytes
 from .config import IOConfig
+from .full_checksums import FileChecksums, check_file_size, read_checksums
 from .errors import (
     CheckpointCorruptError,
     CheckpointKeyError,
@@ -50,6 +56,8 @@ from .errors import (
     NotACheckpointError,
     ReshardError,
 )
+from .fp8 import FP8_DTYPES, SCALE_SUFFIX, ScaleBox, block_shape, dequantize_slice, paired_scales, scale_box, scale_shape
+from .key_map import KeyMap, TranslateFunction, rename_keys
 from .reader import CheckpointReader
 from .storage import Store, normalize_path, open_store
 
@@ -57,6 +65,8 @@ __all__ = ["FullCheckpointReader", "load_pretrained", "PretrainedLoadReport"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+#: The files that make a folder a Hugging Face checkpoint.
+HF_MARKERS = (_INDEX, _SINGLE)
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,15 @@ class _Tensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of the raw data in ``file``
+
+
+@dataclass(frozen=True)
+class _Scale:
+    """The scale of a block-scaled FP8 weight: checkpoint keys of both, where the scale is."""
+
+    weight_key: str
+    scale_key: str
+    tensor: _Tensor
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -87,22 +106,43 @@ class FullCheckpointReader(CheckpointReader):
     Args:
         path: A ``.safetensors`` or ``torch.save`` file, or a folder holding
             ``model.safetensors`` or ``model.safetensors.index.json``.
-        key_map: Maps a key in the file to the state-dict key to load it into
-            (``None`` skips the tensor); identity by default.
+        key_map: Maps a key in the file to the state-dict key to load it
+            into: a callable (``None`` skips the tensor) or a dict (keys not in
+            it keep their name; a value of ``None`` skips); identity by default.
+        translate_function: Instead of ``key_map``, SMP style: called once
+            with the list of all keys in the file, returns ``{file key:
+            state-dict key}`` (keys absent keep their name). Two keys given
+            one name raise :class:`~dcp_ext.errors.CheckpointKeyError`.
+        dequantize_fp8: Pair each 2-D FP8 tensor ``K`` with its scale
+            ``K_scale_inv``: the scales are then left out of the metadata and
+            listed in :attr:`scales` (by state-dict key). ``dcp.load`` with
+            this reader reads the FP8 values as stored; applying the scales
+            is :func:`load_pretrained`'s job (``dequantize_fp8=True`` there).
         storage_options, config, ...: As for :class:`CheckpointReader`.
+
+    Attributes:
+        scales: With ``dequantize_fp8``, once the metadata is read: the
+            scale of each FP8 weight, by the weight's state-dict key.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         *,
-        key_map: Callable[[str], str | None] | None = None,
+        key_map: KeyMap | None = None,
+        translate_function: TranslateFunction | None = None,
+        dequantize_fp8: bool = False,
         storage_options: dict[str, Any] | None = None,
         config: IOConfig | None = None,
         **io_options: Any,
     ) -> None:
+        if key_map is not None and translate_function is not None:
+            raise ValueError("pass key_map or translate_function, not both")
         self.source = normalize_path(path)
         self.key_map = key_map
+        self.translate_function = translate_function
+        self.dequantize_fp8 = dequantize_fp8
+        self.scales: dict[str, _Scale] = {}
         root, self._file = self._locate(self.source, storage_options, config)
         super().__init__(root, storage_options=storage_options, config=config, **io_options)
         self._metadata: Metadata | None = None  # a full checkpoint does not change
@@ -135,14 +175,21 @@ class FullCheckpointReader(CheckpointReader):
 
     def _build_metadata(self) -> Metadata:
         tensors = self._tensors()
+        paired = (
+            paired_scales({k: t.dtype for k, t in tensors.items()}, {k: t.shape for k, t in tensors.items()})
+            if self.dequantize_fp8 else {}
+        )
+        names = rename_keys(list(tensors), key_map=self.key_map, translate_function=self.translate_function,
+                            where=self.source, exclude=set(paired.values()))
+        self.scales = {
+            names[weight]: _Scale(weight, scale, tensors[scale]) for weight, scale in paired.items() if weight in names
+        }
+        recorded = read_checksums(self.store, self._file)
+        sized: set[str] = set()
         state: dict[str, Any] = {}
         storage: dict[MetadataIndex, StoredItem] = {}
-        for key, info in tensors.items():
-            target = self.key_map(key) if self.key_map is not None else key
-            if target is None:
-                continue
-            if target in state:
-                raise CheckpointCorruptError(f"{self.source}: two tensors map to key {target!r}", self.source)
+        for key, target in names.items():
+            info = tensors[key]
             zeros = (0,) * len(info.shape)
             nbytes = _numel(info.shape) * info.dtype.itemsize
             state[target] = TensorStorageMetadata(
@@ -150,8 +197,28 @@ class FullCheckpointReader(CheckpointReader):
                 size=torch.Size(info.shape),
                 chunks=[ChunkStorageMetadata(torch.Size(zeros), torch.Size(info.shape))],
             )
-            storage[MetadataIndex(target, zeros)] = StoredItem(info.file, info.offset, nbytes, 0, nbytes)
+            storage[MetadataIndex(target, zeros)] = self._stored_item(key, info, nbytes, recorded.get(info.file), sized)
         return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta())
+
+    def _stored_item(
+        self, key: str, info: _Tensor, nbytes: int, recorded: FileChecksums | None, sized: set[str]
+    ) -> StoredItem:
+        """Where ``key`` lies, with its frame checksums when its file has them recorded."""
+        entry = recorded.tensors.get(key) if recorded is not None else None
+        if recorded is None or entry is None:
+            return StoredItem(info.file, info.offset, nbytes, 0, nbytes)
+        where = self.store.describe(info.file)
+        if info.file not in sized:
+            check_file_size(recorded, self.store.size(info.file), where)
+            sized.add(info.file)
+        if (entry.offset, entry.length) != (info.offset, nbytes):
+            raise CheckpointCorruptError(
+                f"{where}: tensor {key!r} lies at bytes [{info.offset}, {info.offset + nbytes}) but its checksums "
+                f"were recorded for [{entry.offset}, {entry.offset + entry.length})",
+                where,
+            )
+        return StoredItem(info.file, info.offset, nbytes, 0, nbytes, frame_size=entry.frame_size,
+                          checksums=entry.checksums)
 
     def _tensors(self) -> dict[str, _Tensor]:
         store = self.store
@@ -388,6 +455,8 @@ class PretrainedLoadReport:
         uninitialized_buffers: Non-persistent buffers that were on the meta
             device and are now allocated but not initialized: set them yourself.
         bytes_read: Bytes this rank read.
+        dequantized: Keys of ``loaded`` that were FP8 in the checkpoint and
+            were dequantized with their scales (``dequantize_fp8=True``).
     """
 
     loaded: tuple[str, ...]
@@ -395,6 +464,7 @@ class PretrainedLoadReport:
     unexpected: tuple[str, ...]
     uninitialized_buffers: tuple[str, ...]
     bytes_read: int
+    dequantized: tuple[str, ...] = ()
 
 
 def load_pretrained(
@@ -402,7 +472,10 @@ def load_pretrained(
     path: str | os.PathLike[str],
     *,
     strict: bool = True,
-    key_map: Callable[[str], str | None] | None = None,
+    key_map: KeyMap | None = None,
+    translate_function: TranslateFunction | None = None,
+    dequantize_fp8: bool = False,
+    fp8_block_size: int | tuple[int, int] = 128,
     device: str | torch.device | None = None,
     storage_options: dict[str, Any] | None = None,
     process_group: Any = None,
@@ -420,15 +493,31 @@ def load_pretrained(
         model: The module to load into, in place.
         path: ``.safetensors`` / ``torch.save`` file, or a Hugging Face folder.
         strict: Refuse a checkpoint that lacks some of the model's keys.
-        key_map: Maps checkpoint keys to model keys (``None`` skips a key).
+        key_map: Maps checkpoint keys to model keys: a callable (``None``
+            skips a key) or a dict ``{checkpoint key: model key}`` (keys not
+            in it keep their name; ``None`` skips).
+        translate_function: Instead of ``key_map``, the SageMaker form: a
+            callable given the list of all checkpoint keys at once, returning
+            ``{checkpoint key: model key}`` (keys absent keep their name).
+        dequantize_fp8: Load block-scaled FP8 weights (``K`` in an FP8 dtype
+            beside ``K_scale_inv``, as in DeepSeek-V3 checkpoints) into
+            bf16/fp32 parameters: each rank reads its slice of the FP8 weight
+            and the scale blocks that slice touches, and stores
+            ``(fp8.to(float32) * scale).to(param dtype)``. The scale keys are
+            then not ``unexpected``. Parameters that are FP8 themselves get
+            the stored values unchanged.
+        fp8_block_size: The scale block, ``128`` (128 x 128) or ``(rows, cols)``.
         device: Where to materialize a meta-device model.
         storage_options: fsspec/s3fs options for remote paths.
         process_group: The group to load with (default group if ``None``).
         config: I/O tunables.
 
     Raises:
-        KeyError: With ``strict=True``, the model keys the checkpoint lacks.
-        ValueError: A tensor whose shape differs between model and checkpoint.
+        KeyError: With ``strict=True``, the model keys the checkpoint lacks;
+            two checkpoint keys renamed to one model key (both named).
+        ValueError: A tensor whose shape differs between model and checkpoint;
+            an FP8 weight with a scale loaded into a non-FP8 parameter without
+            ``dequantize_fp8``; a scale of the wrong shape for ``fp8_block_size``.
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -448,7 +537,9 @@ def load_pretrained(
                 f"allocated but uninitialized; set them before use",
                 stacklevel=2,
             )
-    reader = FullCheckpointReader(path, key_map=key_map, storage_options=storage_options, config=config)
+    block = block_shape(fp8_block_size)
+    reader = FullCheckpointReader(path, key_map=key_map, translate_function=translate_function,
+                                  dequantize_fp8=dequantize_fp8, storage_options=storage_options, config=config)
     metadata = reader.read_metadata()
     state = get_model_state_dict(model, options=StateDictOptions())
     available = set(metadata.state_dict_metadata)
@@ -461,6 +552,7 @@ def load_pretrained(
             f"or key_map= to rename checkpoint keys"
         )
     wanted = {k: v for k, v in state.items() if k in available}
+    quantized: dict[str, tuple[torch.Tensor, _Scale]] = {}  # the parameter, its scale
     for key, value in wanted.items():
         stored = metadata.state_dict_metadata[key]
         shape = tuple(getattr(value, "shape", ()))
@@ -468,14 +560,118 @@ def load_pretrained(
             raise ReshardError(
                 f"{key!r}: the checkpoint holds shape {tuple(stored.size)} but the model has {shape}"
             )
+        wants_fp8 = getattr(value, "dtype", None) in FP8_DTYPES
+        if key in reader.scales and isinstance(value, torch.Tensor) and not wants_fp8:
+            quantized[key] = (value, reader.scales[key])
+        elif key in reader.scales:
+            unexpected.append(reader.scales[key].scale_key)  # stored FP8 values loaded as they are
+        elif (isinstance(stored, TensorStorageMetadata) and stored.properties.dtype in FP8_DTYPES
+              and not wants_fp8 and key + SCALE_SUFFIX in available):
+            raise ReshardError(
+                f"{key!r} is stored in {stored.properties.dtype} with a block scale {key + SCALE_SUFFIX!r} in "
+                f"{reader.source}, but the model holds {getattr(value, 'dtype', None)}; pass dequantize_fp8=True"
+            )
+    # FP8 weights land in FP8 buffers laid out like their parameters (so each
+    # rank reads its slice, as for any tensor), then are scaled into them.
+    load_state: dict[str, Any] = dict(wanted)
+    for key, (value, _) in quantized.items():
+        fp8 = metadata.state_dict_metadata[key]
+        assert isinstance(fp8, TensorStorageMetadata)  # paired_scales pairs tensors only
+        load_state[key] = _fp8_like(value, fp8.properties.dtype)
     planner = LayoutLoadPlanner(strict=True, keys=tuple(wanted))  # missing/unexpected handled above
-    run_load(wanted, reader, planner, process_group)
+    run_load(load_state, reader, planner, process_group)
+    _dequantize_all({key: (value, load_state[key], scale) for key, (value, scale) in quantized.items()}, reader, block)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return PretrainedLoadReport(
         loaded=tuple(sorted(wanted)),
         missing=tuple(missing),
-        unexpected=tuple(unexpected),
+        unexpected=tuple(sorted(unexpected)),
         uninitialized_buffers=tuple(uninitialized),
         bytes_read=reader.store.stats.snapshot().bytes_read,
+        dequantized=tuple(sorted(quantized)),
     )
 
+
+def _local_part(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's part of a (possibly DTensor) tensor and its offset in the whole."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return value, (0,) * value.dim()
+    local = value.to_local()
+    create_chunks: Any = value.__create_chunk_list__  # what DCP plans this rank's reads from
+    chunks: list[Any] = create_chunks()
+    if not chunks:
+        return local, (0,) * value.dim()
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):
+        raise ReshardError(
+            f"cannot dequantize a DTensor placed as {value.placements}: its local part is not one box"
+        )
+    return local, tuple(int(o) for o in chunks[0].offsets)
+
+
+def _fp8_like(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty ``dtype`` tensor with ``value``'s shape and, for a DTensor, its placement."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return torch.empty(value.shape, dtype=dtype, device=value.device)
+    local = value.to_local()
+    return DTensor.from_local(
+        torch.empty(local.shape, dtype=dtype, device=local.device), value.device_mesh, value.placements,
+        run_check=False, shape=value.shape, stride=value.stride(),
+    )
+
+
+def _dequantize_all(
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, _Scale]],
+    reader: FullCheckpointReader,
+    block: tuple[int, int],
+) -> None:
+    """(all ranks) For each ``key: (target, fp8, scale)``, scale this rank's part
+    of ``fp8`` into this rank's part of ``target``.
+
+    The scale blocks of all weights are fetched in one parallel batch of
+    ranged reads: a model with thousands of FP8 weights on S3 must not wait
+    for one round trip per weight.
+    """
+    jobs = []
+    pieces: list[Piece] = []
+    for target, fp8, scale in weights.values():
+        where = reader.store.describe(scale.tensor.file)
+        expected = scale_shape(tuple(target.shape), block)
+        if scale.tensor.shape != expected:
+            raise CheckpointCorruptError(
+                f"{where}: scale {scale.scale_key!r} of {scale.weight_key!r} {tuple(target.shape)} has shape "
+                f"{scale.tensor.shape}, but {block[0]}x{block[1]} blocks need {expected}; pass the checkpoint's "
+                f"fp8_block_size",
+                where,
+            )
+        if not scale.tensor.dtype.is_floating_point or scale.tensor.dtype in FP8_DTYPES:
+            raise CheckpointCorruptError(f"{where}: scale {scale.scale_key!r} is {scale.tensor.dtype}", where)
+        local, offsets = _local_part(target)
+        values, _ = _local_part(fp8)
+        if local.numel() == 0:
+            continue
+        box = scale_box((offsets[0], offsets[1]), (local.shape[0], local.shape[1]), block)
+        scales = torch.empty(box.shape, dtype=scale.tensor.dtype)
+        pieces += _scale_pieces(scale.tensor, box, scales)
+        jobs.append((local, values, offsets, scales, box))
+    store = reader.store
+    store.read(plan_requests(pieces, gap=store.coalesce_gap, max_request=reader.config.read_request_size))
+    with torch.no_grad():
+        for local, values, offsets, scales, box in jobs:
+            local.copy_(dequantize_slice(values, (offsets[0], offsets[1]), scales, box, block, local.dtype))
+
+
+def _scale_pieces(info: _Tensor, box: ScaleBox, out: torch.Tensor) -> list[Piece]:
+    """Ranged reads of the scale blocks ``box`` of the scale tensor ``info`` into
+    ``out``: one per row of blocks (rows next to each other merge into one request)."""
+    view = tensor_bytes(out)
+    esize = info.dtype.itemsize
+    width = (box.col1 - box.col0) * esize
+    cols = info.shape[1]
+    return [
+        Piece(info.file, info.offset + (row * cols + box.col0) * esize, view[i * width : (i + 1) * width])
+        for i, row in enumerate(range(box.row0, box.row1))
+    ]

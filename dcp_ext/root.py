@@ -19,7 +19,10 @@ from . import save_lock
 from ._failpoints import crash_point
 from .config import IOConfig
 from .errors import CheckpointNotFoundError, DcpExtError
+from .full_checksums import FOLDER_SIDECAR
+from .hf_layout import HF_CONFIG_FILE, HF_INDEX_FILE, is_shard_name
 from .layout import (
+    CHECKSUMS_SUFFIX,
     DATA_SUFFIX,
     NEWEST_FILE,
     PARTIAL_SUFFIX,
@@ -124,7 +127,33 @@ class CheckpointRoot:
         return [
             name for name in self.store.list_names()
             if name != NEWEST_FILE and not name.startswith(("user_content_", ".")) and TMP_MARK not in name
+            and not name.endswith(CHECKSUMS_SUFFIX)
         ]
+
+    def hf_folders(self) -> list[str]:
+        """Tags of the committed Hugging Face folders ``ROOT/{tag}/`` (full
+        checkpoints saved with ``full_format="hf"``: their index exists)."""
+        return [
+            name for name in self.store.list_dirs()
+            if not name.endswith(PARTIAL_SUFFIX) and _valid(name) and self.store.exists(f"{name}/{HF_INDEX_FILE}")
+        ]
+
+    def hf_store(self, tag: str) -> Store:
+        """The folder ``ROOT/{tag}/`` of a Hugging Face export."""
+        return open_store(join_path(self.url, validate_tag(tag)), self.config, self.storage_options)
+
+    def delete_hf_folder(self, tag: str) -> None:
+        """Delete the files of the Hugging Face export ``ROOT/{tag}/``: the
+        index first (the folder is then no committed export), its sidecar,
+        the weights files, ``config.json`` and temporaries; any other file
+        stays, and so does the folder if it holds one."""
+        store = self.hf_store(tag)
+        names = store.list_names()
+        store.delete(HF_INDEX_FILE)
+        for name in names:
+            if name in (FOLDER_SIDECAR, HF_CONFIG_FILE) or is_shard_name(name) or TMP_MARK in name:
+                store.delete(name)
+        store.remove_root_if_empty()
 
     def committed(self) -> list[TagInfo]:
         """Committed partial checkpoints, oldest first."""
@@ -183,7 +212,12 @@ class CheckpointRoot:
             self.delete_partial(tag, referenced)
             self.sweep_retired(referenced)
         if full:
-            self.store.delete(tag)
+            if tag in self.store.list_dirs():  # a Hugging Face folder (full_format="hf")
+                self.delete_hf_folder(tag)
+            else:
+                # The sidecar first: checksums never outlive the file they describe.
+                self.store.delete(tag + CHECKSUMS_SUFFIX)
+                self.store.delete(tag)
             self.store.delete(user_content_name(tag))
 
     def delete_partial(self, tag: str, referenced: Collection[tuple[str, str]] | None = None) -> None:

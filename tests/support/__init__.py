@@ -11,7 +11,7 @@ One job each:
 * ``fault_proxy``: a fault-injecting HTTP proxy in front of an S3 server.
 * ``dist``: ``run_world``, a function on every rank of a spawned gloo world.
 * ``dist_workers``, ``api_workers``, ``reshard_workers``,
-  ``torch_format_workers``: rank code of the multi-rank tests (importable by
+  ``torch_format_workers``, ``smp_workers``, ``hf_export_workers``: rank code of the multi-rank tests (importable by
   name, as spawned ranks need).
 * ``crash_job`` / ``crash_torture``: killed 2-rank saves and their checks.
 * ``damage_trials``: damaged checkpoint roots and their checks (``flip_byte``).

@@ -427,10 +427,8 @@ def measure_world(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 #: What ``--profile`` times in dcp_ext's export (wrapped in the rank's process only; dcp_ext is not changed).
 #: Nested: ``put`` includes the writes, ``close`` the commit (fsync, rename); ``_assemble`` the own slice's copy.
 PHASE_TARGETS = (
+    # hf-export at b3d5a54 (everything in dcp_ext.hf_export) ...
     ("dcp_ext.hf_export", None, "_any_failed"),
-    ("dcp_ext.hf_export", None, "_make_plan"),
-    ("dcp_ext.hf_export", None, "_prepare_folder"),
-    ("dcp_ext.hf_export", None, "_finish_folder"),
     ("dcp_ext.hf_export", "_FileSink", "open"),
     ("dcp_ext.hf_export", "_FileSink", "put"),
     ("dcp_ext.hf_export", "_FileSink", "close"),
@@ -442,6 +440,24 @@ PHASE_TARGETS = (
     ("dcp_ext.hf_export", "_StoredState", "__init__"),
     ("dcp_ext.hf_export", "_StoredState", "read"),
     ("dcp_ext.hf_export", "_StoredState", "run"),
+    # ... and after aa793fd (sources and sink in their own modules); absent names are skipped.
+    ("dcp_ext._hf_sources", None, "_any_failed"),
+    ("dcp_ext._hf_sink", "FileSink", "open"),
+    ("dcp_ext._hf_sink", "FileSink", "put"),
+    ("dcp_ext._hf_sink", "FileSink", "close"),
+    ("dcp_ext._hf_sources", "LiveState", "__init__"),
+    ("dcp_ext._hf_sources", "LiveState", "plan"),
+    ("dcp_ext._hf_sources", "LiveState", "run"),
+    ("dcp_ext._hf_sources", "LiveState", "_reserve"),
+    ("dcp_ext._hf_sources", "LiveState", "_assemble"),
+    ("dcp_ext._hf_sources", "LiveState", "_send_buffer"),
+    ("dcp_ext._hf_sources", "StoredState", "__init__"),
+    ("dcp_ext._hf_sources", "StoredState", "read"),
+    ("dcp_ext._hf_sources", "StoredState", "run"),
+    ("dcp_ext.full_checksums", "ChecksumRecorder", "add"),
+    ("dcp_ext.hf_export", None, "_make_plan"),
+    ("dcp_ext.hf_export", None, "_prepare_folder"),
+    ("dcp_ext.hf_export", None, "_finish_folder"),
     ("dcp_ext.storage.local", "_LocalWriter", "write"),
     ("dcp_ext.storage.local", "_LocalWriter", "commit"),
     ("dcp_ext.full", None, "stream_full_checkpoint"),
@@ -501,16 +517,17 @@ class _Phases:
                 continue
             self._saved.append((owner, attr, original))
             setattr(owner, attr, self._wrap(f"{cls + '.' if cls else ''}{attr}", original))
-        try:
-            module = importlib.import_module("dcp_ext.hf_export")
-        except ImportError:
-            return
-        for attr in ("_isend", "_irecv"):
-            original = getattr(module, attr, None)
-            if original is None:
+        for name in ("dcp_ext.hf_export", "dcp_ext._hf_sources"):
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
                 continue
-            self._saved.append((module, attr, original))
-            setattr(module, attr, lambda *a, _f=original, **k: _TimedWork(_f(*a, **k), self))
+            for attr in ("_isend", "_irecv"):
+                original = getattr(module, attr, None)
+                if original is None:
+                    continue
+                self._saved.append((module, attr, original))
+                setattr(module, attr, lambda *a, _f=original, **k: _TimedWork(_f(*a, **k), self))
 
     def uninstall(self) -> None:
         for owner, attr, original in reversed(self._saved):

@@ -126,7 +126,17 @@ SYSTEMS: dict[str, tuple[str, ...]] = {
     "live": ("dcp_ext", "torch", "torch_every_rank", "today", "raw"),
     "checkpoint": ("dcp_ext", "torch", "today"),
 }
+#: Experiments, run only when named in ``--systems``: dcp_ext with ``sync_file_range`` writeback off
+#: (``dcp_ext.storage.local._start_writeback = None`` in the rank's process; fsync at commit unchanged).
+EXPERIMENTS: dict[str, tuple[str, ...]] = {
+    "live": ("dcp_ext_nowb", "today_nowb"),
+    "checkpoint": ("dcp_ext_nowb", "today_nowb"),
+}
 LABELS = {
+    ("live", "dcp_ext_nowb"): "experiment: dcp_ext `save_hf`, `sync_file_range` writeback off",
+    ("live", "today_nowb"): "experiment: today's `save_full`, `sync_file_range` writeback off",
+    ("checkpoint", "dcp_ext_nowb"): "experiment: dcp_ext `export_hf`, `sync_file_range` writeback off",
+    ("checkpoint", "today_nowb"): "experiment: today's `CheckpointManager.export`, `sync_file_range` writeback off",
     ("live", "dcp_ext"): "dcp_ext `save_hf`",
     ("live", "torch"): "torch `dcp.save` + `HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)`",
     ("live", "torch_every_rank"): "torch `dcp.save` + `HuggingFaceStorageWriter(save_distributed=True)`, then "
@@ -267,6 +277,11 @@ def _run_system(mode: str, system: str, rank: int, world: int, cfg: dict[str, An
     import torch.distributed.checkpoint as dcp
 
     max_shard = cfg["max_shard_size"]
+    if system.endswith("_nowb"):
+        import dcp_ext.storage.local
+
+        dcp_ext.storage.local._start_writeback = None  # type: ignore[attr-defined]
+        system = system.removesuffix("_nowb")
     if mode == "live" and system == "dcp_ext":
         import dcp_ext
 
@@ -690,7 +705,7 @@ def run(modes: tuple[str, ...], systems: dict[str, tuple[str, ...]], size: int, 
             cfg = {**base, "mode": mode, "system": system, "dest": dest,
                    "source": str(work / "ckpt" / f"{TAG}_partial"),
                    "warmup_source": str(work / "ckpt-warmup" / f"{WARMUP_TAG}_partial")}
-            world = 1 if (mode, system) == ("checkpoint", "today") else WORLD
+            world = 1 if (mode, system) in (("checkpoint", "today"), ("checkpoint", "today_nowb")) else WORLD
             load = _loadavg()
             t0 = time.monotonic()
             ranks = run_world(world, measure_world, cfg, timeout=1800, collective_timeout=900)
@@ -947,7 +962,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="256MB", help="max_shard_size of dcp_ext and of torch's mapping")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: live, checkpoint")
     parser.add_argument("--systems", default=None, help="comma-separated subset of dcp_ext, torch, torch_every_rank, "
-                        "today (default all)")
+                        "today, raw (default all), plus the experiments dcp_ext_nowb, today_nowb (sync_file_range "
+                        "writeback off)")
     parser.add_argument("--verify", choices=["first", "all", "none"], default="all",
                         help="check outputs bit for bit: first round of each system, every round, or never")
     parser.add_argument("--quick", action="store_true", help="64 MiB, 1 round")
@@ -974,7 +990,8 @@ def main(argv: list[str] | None = None) -> int:
     if set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(set(modes) - set(MODES))}")
     wanted = None if args.systems is None else set(args.systems.split(","))
-    systems = {m: tuple(s for s in SYSTEMS[m] if wanted is None or s in wanted) for m in modes}
+    systems = {m: tuple(s for s in SYSTEMS[m] + EXPERIMENTS[m] if (wanted is None and s in SYSTEMS[m])
+                        or (wanted is not None and s in wanted)) for m in modes}
     size = parse_size(args.size or ("64MiB" if args.quick else "1GiB"))
     rounds = args.rounds or (1 if args.quick or args.profile else 3)
     command = "python -m bench.hf_export " + " ".join(

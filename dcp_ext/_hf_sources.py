@@ -7,10 +7,14 @@
   (point-to-point), a slice several ranks hold coming from one of them
   (none at all when the writer holds it).
 * :class:`StoredState`: a partial checkpoint on storage; each writer reads
-  its own tensors, one at a time, with ranged reads; nothing is exchanged.
+  its own tensors, a batch at a time (one parallel read each), with ranged
+  reads; nothing is exchanged.
 
-Each rank assembles or reads into reused buffers (:class:`Arena`), so it
-holds about one batch (one tensor, from storage) beyond its own state.
+Each rank assembles or reads into reused buffers (:class:`Arena`), two by
+turns: a thread of its own (:class:`_Writer`) writes one batch while the
+next is exchanged or read, so a rank holds about two batches beyond its
+own state; one batch when batches are larger than :data:`OVERLAP_BYTES`
+(its largest tensor is), which are then written before the next is prepared.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from ._hf_sink import FileSink
 from .config import IOConfig
@@ -212,8 +216,7 @@ class LiveState:
             for step in range(max((len(b) for b in batches), default=0)):
                 work = [(owner, b[step]) for owner, b in enumerate(batches) if step < len(b)]
                 mine = batches[me][step] if step < len(batches[me]) else []
-                # The other arena may still be written from: this one was used two steps ago.
-                self.arena = self.arenas[step % 2]
+                self.arena = _next_arena(self.arenas, step, budget, writer)
                 self._reserve(work, mine, transfers)
                 works: list[Any] = []
                 keep: list[torch.Tensor] = []  # send buffers, alive until their sends completed
@@ -421,61 +424,98 @@ class StoredState:
             for (name, _), md in zip(self.chosen, self.metadata)
         ]
 
-    def read(self, index: int) -> torch.Tensor:
-        """Tensor ``index`` in full, in its exported dtype (valid until the next call)."""
-        key = self.chosen[index][1]
-        md = self.metadata[index]
-        shape = tuple(int(s) for s in md.size)
-        self.arena.reset(Arena.size_of(md.properties.dtype, shape))
-        dest = self.arena.take(md.properties.dtype, shape)
-        items = whole_tensor_items(key, md)
-        # Chunks whose place in the tensor is contiguous (row blocks) land
-        # there directly, all in one parallel read; a column block would be
-        # staged by the reader, all blocks at once, so each is read into a
-        # reused block buffer in turn and copied into place.
-        direct = [item for item in items if _box_view(dest, item.dest_offsets, item.lengths).is_contiguous()]
+    def read(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """Tensors ``indices`` in full, in their exported dtypes (views of the
+        current arena unless cast: valid until it is reset)."""
+        keys = [self.chosen[i][1] for i in indices]
+        mds = [self.metadata[i] for i in indices]
+        shapes = [tuple(int(s) for s in md.size) for md in mds]
+        self.arena.reset(sum(Arena.size_of(md.properties.dtype, shape) for md, shape in zip(mds, shapes)))
+        dests: dict[str, torch.Tensor] = {}
+        direct: list[ReadItem] = []
+        blocks: list[tuple[torch.Tensor, ReadItem]] = []
+        for key, md, shape in zip(keys, mds, shapes):
+            dest = dests[key] = self.arena.take(md.properties.dtype, shape)
+            # Chunks whose place in the tensor is contiguous (row blocks) land
+            # there directly, every tensor's in one parallel read; a column
+            # block would be staged by the reader, all blocks at once, so each
+            # is read into a reused block buffer in turn and copied into place.
+            for item in whole_tensor_items(key, md):
+                if _box_view(dest, item.dest_offsets, item.lengths).is_contiguous():
+                    direct.append(item)
+                else:
+                    blocks.append((dest, item))
         if direct:
-            self.reader.read_data(LoadPlan(direct), cast(LoadPlanner, _IntoTensor(dest)))
-        for item in items:
-            view = _box_view(dest, item.dest_offsets, item.lengths)
-            if view.is_contiguous():
-                continue
+            self.reader.read_data(LoadPlan(direct), cast(LoadPlanner, _IntoTensor(dests)))
+        for dest, item in blocks:
             lengths = tuple(int(n) for n in item.lengths)
             self.block_arena.reset(Arena.size_of(dest.dtype, lengths))
             block = self.block_arena.take(dest.dtype, lengths)
             at_zero = dataclasses.replace(item, dest_offsets=torch.Size((0,) * len(item.lengths)))
             self.reader.read_data(LoadPlan([at_zero]), cast(LoadPlanner, _IntoTensor(block)))
-            view.copy_(block)
-        return dest.to(self.tensors[index].dtype)  # a view of the arena unless cast
+            _box_view(dest, item.dest_offsets, item.lengths).copy_(block)
+        return [dests[key].to(self.tensors[i].dtype) for key, i in zip(keys, indices)]
 
     def run(self, sink: FileSink, files: Sequence[HFFile], owners: Sequence[int], rank: int,
             progress: Callable[[int, int], None] | None = None) -> None:
-        """(each rank on its own) Read and write the files this rank writes;
-        a tensor is read while the one before it is written."""
-        mine = [(f, i, files[f]) for f, owner in enumerate(owners) if owner == rank for i in files[f].tensors]
+        """(each rank on its own) Read and write the files this rank writes, a
+        batch of consecutive tensors (:func:`step_bytes` of stored bytes at
+        most, in one parallel read) at a time; a batch is read while the one
+        before it is written."""
+        mine = [(f, i) for f, owner in enumerate(owners) if owner == rank for i in files[f].tensors]
         for f, owner in enumerate(owners):
             if owner == rank and not files[f].tensors:
                 sink.open(f)
                 sink.close(f)
         total = sum(files[f].nbytes for f, owner in enumerate(owners) if owner == rank)
+        stored = [HFTensor(t.name, md.properties.dtype, t.shape) for t, md in zip(self.tensors, self.metadata)]
         done = 0
+        budget = step_bytes(stored)
         with _Writer(sink) as writer:
-            for n, (f, i, spec) in enumerate(mine):
+            for n, batch in enumerate(_batches(mine, stored, budget)):
                 if sink.failure is not None:
                     break
                 if progress is not None:
                     progress(done, total)
-                self.arena = self.arenas[n % 2]  # the other may still be written from
+                self.arena = _next_arena(self.arenas, n, budget, writer)
                 try:
-                    tensor = self.read(i)
+                    tensors = self.read([i for _, i in batch])
                 except Exception as err:  # noqa: BLE001 - shared with every rank
-                    sink.fail(f, i, err)
+                    sink.fail(*self._culprit(batch, err))
                     break
-                writer.submit([(f, i, spec)], [tensor])
-                done += self.tensors[i].nbytes
-                del tensor
+                writer.submit([(f, i, files[f]) for f, i in batch], tensors)
+                done += sum(self.tensors[i].nbytes for _, i in batch)
+                del tensors
         if progress is not None and sink.failure is None:
             progress(total, total)
+
+
+    def _culprit(self, batch: Sequence[tuple[int, int]], err: Exception) -> tuple[int, int, Exception]:
+        """The file, tensor and error of the first tensor of ``batch`` that
+        fails to read alone (the batch's first, with ``err``, if none does)."""
+        for f, i in batch:
+            try:
+                self.read([i])
+            except Exception as alone:  # noqa: BLE001 - the error to share
+                return f, i, alone
+        return batch[0][0], batch[0][1], err
+
+
+#: Largest batch that gets a second buffer, so that it is prepared while the
+#: one before it is written: beyond it (a model with a tensor larger than
+#: this) a rank holds one batch, and writes before it prepares the next.
+OVERLAP_BYTES = 256 << 20
+
+
+def _next_arena(arenas: tuple[Arena, Arena], n: int, budget: int, writer: _Writer) -> Arena:
+    """The arena batch ``n`` goes into: by turns when batches are small
+    (the other one may still be written from; this one was, two batches
+    ago, and :meth:`_Writer.submit` waited for that), else the first one,
+    once the batch before is written."""
+    if budget <= OVERLAP_BYTES:
+        return arenas[n % 2]
+    writer.wait()
+    return arenas[0]
 
 
 class _Writer:

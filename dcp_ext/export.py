@@ -24,13 +24,14 @@ __all__ = ["export_partial", "exported_keys", "whole_tensor_items"]
 
 
 class _IntoTensor:
-    """The two planner calls ``CheckpointReader.read_data`` makes, aimed at one tensor."""
+    """The two planner calls ``CheckpointReader.read_data`` makes, aimed at one
+    tensor, or at one tensor per key (``{key: tensor}``)."""
 
-    def __init__(self, dest: torch.Tensor) -> None:
+    def __init__(self, dest: torch.Tensor | dict[str, torch.Tensor]) -> None:
         self.dest = dest
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        view = self.dest
+        view = self.dest if isinstance(self.dest, torch.Tensor) else self.dest[read_item.dest_index.fqn]
         for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             view = view.narrow(dim, offset, length)
         return view

@@ -267,3 +267,20 @@ def test_object_stores(kind: str, make_backend: Any) -> None:
     assert manager.checkpoints.hf_folders() == ["f1"]
     manager.delete("f1", partial=False)
     assert store.list_names() == [] and manager.checkpoints.hf_folders() == []
+
+
+def test_export_of_a_damaged_checkpoint_names_the_tensor_and_leaves_nothing(tmp_path: Path) -> None:
+    """Tensors are read a batch at a time; a damaged frame fails the export
+    naming the tensor that holds it (not just its batch), and no file stays."""
+    from tests.support.damage_trials import flip_byte
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    manager = dcp_ext.CheckpointManager(str(tmp_path / "root"), config=dcp_ext.IOConfig(frame_size=4096))
+    manager.save("s", model)
+    stored = dcp_ext.CheckpointReader(str(tmp_path / "root" / "s_partial")).read_metadata().storage_data
+    item = next(v for k, v in stored.items() if k.fqn == "model.1.weight")
+    flip_byte(tmp_path / "root" / "s_partial" / item.relative_path, item.offset + item.data_offset + 100)
+    with pytest.raises(dcp_ext.ChecksumMismatchError, match=r"tensor '1\.weight'.*frame 1 of 4 of 'model\.1\.weight'"):
+        dcp_ext.export_hf(str(tmp_path / "root" / "s_partial"), str(tmp_path / "hf"))
+    assert os.listdir(tmp_path / "hf") == []

@@ -503,8 +503,10 @@ class StoredState:
 
 #: Largest batch that gets a second buffer, so that it is prepared while the
 #: one before it is written: beyond it (a model with a tensor larger than
-#: this) a rank holds one batch, and writes before it prepares the next.
-OVERLAP_BYTES = 256 << 20
+#: this) a rank holds one batch, and writes before it prepares the next. At
+#: most two batches of this size stay within the issue-18 memory budget of
+#: the largest tensor + 256 MiB above the state.
+OVERLAP_BYTES = 128 << 20
 
 
 def _next_arena(arenas: tuple[Arena, Arena], n: int, budget: int, writer: _Writer) -> Arena:

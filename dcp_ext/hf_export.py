@@ -19,7 +19,7 @@ at most the largest tensor's bytes, or 32 MiB) from the slices the other
 ranks send it (point-to-point; a slice held by several ranks is sent by
 one, by none when the writer holds it), and a thread of its own writes it
 while the next batch is assembled. No rank holds more than two batches
-beyond its state (one when a batch is over 256 MiB), plus the casts of the
+beyond its state (one when a batch is over 128 MiB), plus the casts of the
 slices it sends. From storage each writer reads its own tensors a batch at
 a time (one parallel ranged read each), writing one while it reads the next;
 nothing is exchanged (both: :mod:`dcp_ext._hf_sources`; the files:

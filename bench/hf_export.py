@@ -864,7 +864,7 @@ def render(record: dict[str, Any]) -> str:
         f"({model['tensor_bytes'] / 1e9:.3f} GB; {model['rank_bytes'] / MiB:,.0f} MiB per rank), largest tensor "
         f"{model['largest_tensor_bytes'] / MiB:.1f} MiB; `max_shard_size=\"{p['max_shard_size']}\"` "
         f"(HF's rule, tensors in order: {model['files_at_max_shard_size']} weights files; dcp_ext splits the same way "
-        "and torch gets that split as its `fqn_to_index_mapping`; today's paths write one file; \"files\" below "
+        "and torch gets that split as its `fqn_to_index_mapping`; today's paths write one safetensors file; \"files\" below "
         "counts every file written, index and torch's `sharded/` included). "
         "Every measurement in a fresh world after an untimed warm-up on a 4 MiB model; `os.sync()` between "
         "measurements; every system's time includes fsync of its outputs (torch's consolidated files are fsynced by "

@@ -76,19 +76,9 @@ def test_two_processes_saving_one_tag(tmp_path: Path) -> None:
     """Two real jobs (processes) race to save tag ``t`` (24 MiB each): one wins, the other
     is refused with a clear error, and ``t`` is exactly the winner's."""
     root = str(tmp_path / "root")
-    ctx = dist.context()  # the suite's: processes forked from a server that imported torch once
-    results = ctx.Queue()
-    jobs = [dist.process(ctx, _save_job, (root, v, results)) for v in (1.0, 2.0)]
-    for job in jobs:
-        job.start()
-    try:
-        outcome = dict(results.get(timeout=120) for _ in jobs)
-    finally:
-        for job in jobs:
-            job.join(timeout=30)
-            if job.is_alive():
-                job.kill()
-    assert [job.exitcode for job in jobs] == [0, 0], outcome
+    # The suite's context: processes forked from a server that imported torch once.
+    outcome, exitcodes = dist.run_processes(dist.context(), _save_job, [(root, 1.0), (root, 2.0)], timeout=120)
+    assert exitcodes == [0, 0], outcome
     lines = [outcome[1.0], outcome[2.0]]
     assert sorted(line.split()[0] for line in lines) == ["REFUSED", "SAVED"], lines
     winner = 1.0 if lines[0] == "SAVED" else 2.0

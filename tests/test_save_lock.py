@@ -48,18 +48,9 @@ def test_racing_creators_exactly_one_wins_and_nobody_reads_a_partial_record(kind
     url = backend.url("race")
     open_store(url, IOConfig(), backend.storage_options).ensure_root()
     ctx = dist.context()  # the suite's: ranks forked from a server that imported torch once
-    barrier, results = ctx.Barrier(2), ctx.Queue()
-    procs = [dist.process(ctx, _racer, (url, backend.storage_options, barrier, results)) for _ in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        outcomes = dict(results.get(timeout=300) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    barrier = ctx.Barrier(2)
+    outcomes, exitcodes = dist.run_processes(ctx, _racer, [(url, backend.storage_options, barrier)] * 2, timeout=300)
+    assert exitcodes == [0, 0]
     (pid_a, a), (pid_b, b) = outcomes.items()
     for round_, (ra, rb) in enumerate(zip(a, b)):
         assert ra[0] != rb[0], f"round {round_}: winners {ra[0]}, {rb[0]}"  # exactly one True

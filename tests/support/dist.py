@@ -64,6 +64,29 @@ def process(ctx: Any, target: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     return ctx.Process(target=_call_with_environ, args=(dict(os.environ), target, *args))
 
 
+def run_processes(ctx: Any, target: Callable[..., Any], args: list[tuple[Any, ...]], timeout: float) -> tuple[
+        dict[Any, Any], list[int | None]]:
+    """Start one :func:`process` per ``args`` (each ``target(*args, results)``
+    puts one ``(key, value)`` on the queue ``results``); wait for every
+    result, join (killing a process that does not end within 30 s).
+
+    Returns:
+        The results by key, and each process's exit code.
+    """
+    results = ctx.Queue()
+    procs = [process(ctx, target, (*a, results)) for a in args]
+    for proc in procs:
+        proc.start()
+    try:
+        outcomes = dict(results.get(timeout=timeout) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return outcomes, [proc.exitcode for proc in procs]
+
+
 class WorldError(AssertionError):
     """A rank of a spawned world failed; the message holds its traceback."""
 

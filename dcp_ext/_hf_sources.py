@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from ._hf_sink import FileSink
+from ._hf_sink import Assembled, FileSink
 from .config import IOConfig
 from .export import _IntoTensor, exported_keys, whole_tensor_items
 from .hf_layout import Box, HFFile, HFTensor, Transfer, plan_transfers
@@ -221,7 +221,7 @@ class LiveState:
                 works: list[Any] = []
                 keep: list[torch.Tensor] = []  # send buffers, alive until their sends completed
                 copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received, destination view)
-                assembled: list[torch.Tensor] = []
+                assembled: list[torch.Tensor | Assembled] = []
                 for owner, batch in work:
                     for f, i in batch:
                         if owner == me:
@@ -269,25 +269,34 @@ class LiveState:
         self.recv_arena.reset(receive)
 
     def _assemble(self, index: int, transfers: Sequence[Transfer], works: list[Any],
-                  copies: list[tuple[torch.Tensor, torch.Tensor]], sink: FileSink, file: int) -> torch.Tensor:
-        """(writer) Post the receives of tensor ``index``; return the tensor they fill."""
+                  copies: list[tuple[torch.Tensor, torch.Tensor]], sink: FileSink,
+                  file: int) -> torch.Tensor | Assembled:
+        """(writer) Post the receives of tensor ``index``; return the tensor they
+        fill (with this rank's row blocks beside it, written from its shard)."""
         spec = self.tensors[index]
         me = self.group.rank
         if self._whole_here(transfers, index):  # no copy unless cast
             local = self._own_slice(index, sink, file, spec.shape)
             return self.arena.take(spec.dtype, spec.shape).copy_(local) if self._must_copy(index) else local
         whole = self.arena.take(spec.dtype, spec.shape)
+        own: list[tuple[int, torch.Tensor]] = []
         for transfer in transfers:
             view = _box_view(whole, transfer.box.offsets, transfer.box.sizes)
             if transfer.source == me:
-                view.copy_(self._own_slice(index, sink, file, transfer.box.sizes))  # copy_ casts
+                local = self._own_slice(index, sink, file, transfer.box.sizes)
+                if _contiguous_in(transfer.box, spec.shape) and not self._must_copy(index):
+                    # A row block as held: written from the shard, not copied.
+                    start = sum(o * st for o, st in zip(transfer.box.offsets, whole.stride()))
+                    own.append((start * whole.element_size(), local))
+                else:
+                    view.copy_(local)  # copy_ casts
             elif _contiguous_in(transfer.box, spec.shape):
                 works.append(_irecv(self.group, view, transfer.source, index))
             else:  # a column block (Shard(1)): received whole, then copied into place
                 received = self.recv_arena.take(spec.dtype, transfer.box.sizes)
                 works.append(_irecv(self.group, received, transfer.source, index))
                 copies.append((received, view))
-        return whole
+        return Assembled(whole, tuple(sorted(own, key=lambda o: o[0]))) if own else whole
 
     def _own_slice(self, index: int, sink: FileSink, file: int, shape: tuple[int, ...]) -> torch.Tensor:
         """This rank's slice of tensor ``index`` (of ``shape``), as held. On
@@ -531,14 +540,14 @@ class _Writer:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-hf-writer")
         self.pending: Future[None] | None = None
 
-    def submit(self, batch: Sequence[tuple[int, int, HFFile]], tensors: Sequence[torch.Tensor]) -> None:
+    def submit(self, batch: Sequence[tuple[int, int, HFFile]], tensors: Sequence[torch.Tensor | Assembled]) -> None:
         """Write ``tensors`` (tensor ``i`` of file ``f``, for each ``(f, i, file)``),
         opening a file at its first tensor and committing it after its last."""
         self.wait()
         if batch:
             self.pending = self.pool.submit(self._write, list(batch), list(tensors))
 
-    def _write(self, batch: list[tuple[int, int, HFFile]], tensors: list[torch.Tensor]) -> None:
+    def _write(self, batch: list[tuple[int, int, HFFile]], tensors: list[torch.Tensor | Assembled]) -> None:
         for (f, i, spec), tensor in zip(batch, tensors):
             if i == spec.tensors[0]:
                 self.sink.open(f)

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+
+import xxhash
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,12 +117,37 @@ class ChecksumRecorder:
         self.frame_size = frame_size
         self._tensors: dict[str, TensorChecksums] = {}
 
-    def add(self, name: str, offset: int, data: bytes | bytearray | memoryview) -> None:
-        """Record tensor ``name`` whose stored bytes ``data`` start at ``offset`` of the file."""
-        view = memoryview(data).cast("B")
+    def add(self, name: str, offset: int, data: bytes | bytearray | memoryview | Sequence[memoryview]) -> None:
+        """Record tensor ``name`` whose stored bytes ``data`` start at ``offset`` of the file.
+
+        ``data`` may be a list of byte runs, the tensor's bytes in order (a
+        frame may span runs: it is hashed as one).
+        """
         step = self.frame_size
-        sums = tuple(checksum(view[at : at + step]) for at in range(0, len(view), step))
-        self._tensors[name] = TensorChecksums(name, offset, len(view), step, sums)
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            view = memoryview(data).cast("B")
+            sums = tuple(checksum(view[at : at + step]) for at in range(0, len(view), step))
+            self._tensors[name] = TensorChecksums(name, offset, len(view), step, sums)
+            return
+        frames: list[int] = []
+        hasher = xxhash.xxh3_64()
+        filled = total = 0
+        for run in data:
+            view = memoryview(run).cast("B")
+            at = 0
+            while at < len(view):
+                take = min(step - filled, len(view) - at)
+                hasher.update(view[at : at + take])
+                at += take
+                filled += take
+                if filled == step:
+                    frames.append(hasher.intdigest())
+                    hasher.reset()
+                    filled = 0
+            total += len(view)
+        if filled:
+            frames.append(hasher.intdigest())
+        self._tensors[name] = TensorChecksums(name, offset, total, step, tuple(frames))
 
     def finish(self, size: int) -> FileChecksums:
         """The file's checksums, once it is complete and ``size`` bytes long."""

@@ -115,3 +115,18 @@ def test_export_records_checksums_and_stale_or_damaged_sidecars_are_named(tmp_pa
     assert code == 0 and "4 items without checksums" in out and "no checksums were recorded" in out, out
     with pytest.raises(dcp_ext.InvalidTagError, match="checksums.json"):
         manager.save("x.checksums.json", model, partial=False)
+
+
+def test_checksums_of_a_tensor_written_in_runs_equal_those_of_its_bytes_at_once() -> None:
+    """The HF export writes a tensor as runs (its own rows from the shard, the
+    rest from the receive buffer): frames spanning runs hash as one."""
+    import os
+
+    from dcp_ext.full_checksums import ChecksumRecorder
+
+    data = memoryview(os.urandom(3 * FRAME + 123))
+    whole, runs = ChecksumRecorder("f", FRAME), ChecksumRecorder("f", FRAME)
+    whole.add("t", 8, data)
+    runs.add("t", 8, [data[:5], data[5 : FRAME + 1], data[FRAME + 1 : FRAME + 1], data[FRAME + 1 :]])
+    assert whole.finish(100).tensors["t"] == runs.finish(100).tensors["t"]
+    assert len(whole.finish(100).tensors["t"].checksums) == 4

@@ -440,22 +440,10 @@ def measure_world(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 # -- profiling (``--profile``) ----------------------------------------------------------------------
 
 #: What ``--profile`` times in dcp_ext's export (wrapped in the rank's process only; dcp_ext is not changed).
-#: Nested: ``put`` includes the writes, ``close`` the commit (fsync, rename); ``_assemble`` the own slice's copy.
+#: Nested: ``put`` includes the writes, ``close`` the commit (fsync, rename); ``_assemble`` the receives
+#: posted and column blocks copied. Absent names are skipped.
 PHASE_TARGETS = (
-    # hf-export at b3d5a54 (everything in dcp_ext.hf_export) ...
-    ("dcp_ext.hf_export", None, "_any_failed"),
-    ("dcp_ext.hf_export", "_FileSink", "open"),
-    ("dcp_ext.hf_export", "_FileSink", "put"),
-    ("dcp_ext.hf_export", "_FileSink", "close"),
-    ("dcp_ext.hf_export", "_LiveState", "__init__"),
-    ("dcp_ext.hf_export", "_LiveState", "plan"),
-    ("dcp_ext.hf_export", "_LiveState", "run"),
-    ("dcp_ext.hf_export", "_LiveState", "_assemble"),
-    ("dcp_ext.hf_export", "_LiveState", "_send_buffer"),
-    ("dcp_ext.hf_export", "_StoredState", "__init__"),
-    ("dcp_ext.hf_export", "_StoredState", "read"),
-    ("dcp_ext.hf_export", "_StoredState", "run"),
-    # ... and after aa793fd (sources and sink in their own modules); absent names are skipped.
+    # The modules as they are since aa793fd (the profiles of earlier commits are in results/).
     ("dcp_ext._hf_sources", None, "_any_failed"),
     ("dcp_ext._hf_sink", "FileSink", "open"),
     ("dcp_ext._hf_sink", "FileSink", "put"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +114,7 @@ class FileSink:
         self.cause: BaseException | None = None  # the original error of :attr:`failure`
         self.written: list[str] = []
         self.bytes_written = 0
+        self.streamed_bytes = 0  # tensor bytes written by put_stream
         self.checksums: list[FileChecksums] = []
         self._writer: ObjectWriter | None = None
         self._file = -1
@@ -169,6 +170,31 @@ class FileSink:
                 self._recorder.add(spec.name, self._offsets[index], runs)
                 for run in runs:
                     self._writer.write(run)
+                fail_point("mid_hf_export")
+            except Exception as err:  # noqa: BLE001 - shared with every rank
+                self.fail(file, index, err)
+
+    def put_stream(self, file: int, index: int, runs: Iterable[memoryview]) -> None:
+        """Write tensor ``index`` of file ``file`` from ``runs``, its bytes in
+        order, each hashed and written as it comes (a run may be a reused
+        buffer: it is done with before the next is asked for). An error from
+        ``runs`` (a damaged source frame) fails the export like any other."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            try:
+                spec = self.tensors[index]
+                assert self._writer is not None and self._recorder is not None
+                hasher = self._recorder.start(spec.name, self._offsets[index])
+                written = 0
+                for run in runs:
+                    hasher.update(run)
+                    self._writer.write(run)
+                    written += run.nbytes
+                if written != spec.nbytes:
+                    raise ValueError(f"expected {spec.nbytes} bytes of {spec.dtype} {list(spec.shape)}, got {written}")
+                hasher.finish()
+                self.streamed_bytes += written
                 fail_point("mid_hf_export")
             except Exception as err:  # noqa: BLE001 - shared with every rank
                 self.fail(file, index, err)

@@ -32,7 +32,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from ._hf_sink import Assembled, FileSink
 from .config import IOConfig
 from .export import _IntoTensor, exported_keys, whole_tensor_items
+from .frame_stream import FrameStream
 from .hf_layout import Box, HFFile, HFTensor, Transfer, plan_transfers
+from .metadata import StoredItem
 from .process_group import GroupView
 from .reader import CheckpointReader
 
@@ -432,6 +434,7 @@ class StoredState:
             HFTensor(name, stored_dtype(md.properties.dtype, cast_to), tuple(int(s) for s in md.size))
             for (name, _), md in zip(self.chosen, self.metadata)
         ]
+        self.stream = FrameStream(self.reader)
 
     def read(self, indices: Sequence[int]) -> list[torch.Tensor]:
         """Tensors ``indices`` in full, in their exported dtypes (views of the
@@ -467,10 +470,15 @@ class StoredState:
 
     def run(self, sink: FileSink, files: Sequence[HFFile], owners: Sequence[int], rank: int,
             progress: Callable[[int, int], None] | None = None) -> None:
-        """(each rank on its own) Read and write the files this rank writes, a
-        batch of consecutive tensors (:func:`step_bytes` of stored bytes at
-        most, in one parallel read) at a time; a batch is read while the one
-        before it is written."""
+        """(each rank on its own) Read and write the files this rank writes, in order.
+
+        A tensor whose stored chunks :class:`~dcp_ext.frame_stream.FrameStream`
+        can stream (uncompressed, on local files, row blocks, not cast) goes
+        from the source file to its output a frame at a time, on this thread.
+        The others go a batch of consecutive tensors (:func:`step_bytes` of
+        stored bytes at most, in one parallel read) at a time, each batch read
+        while the one before it is written by the writer thread.
+        """
         mine = [(f, i) for f, owner in enumerate(owners) if owner == rank for i in files[f].tensors]
         for f, owner in enumerate(owners):
             if owner == rank and not files[f].tensors:
@@ -480,13 +488,32 @@ class StoredState:
         stored = [HFTensor(t.name, md.properties.dtype, t.shape) for t, md in zip(self.tensors, self.metadata)]
         done = 0
         budget = step_bytes(stored)
-        with _Writer(sink) as writer:
-            for n, batch in enumerate(_batches(mine, stored, budget)):
+        steps: list[tuple[list[tuple[ReadItem, StoredItem]] | None, list[tuple[int, int]]]] = []
+        batched: list[tuple[int, int]] = []
+        for f, i in mine:
+            chunks = self._stream_plan(i)
+            if chunks is None:
+                batched.append((f, i))
+                continue
+            steps.extend((None, batch) for batch in _batches(batched, stored, budget))
+            batched = []
+            steps.append((chunks, [(f, i)]))
+        steps.extend((None, batch) for batch in _batches(batched, stored, budget))
+        with _Writer(sink) as writer, self.stream:
+            n = 0
+            for chunks, batch in steps:
                 if sink.failure is not None:
                     break
                 if progress is not None:
                     progress(done, total)
+                if chunks is not None:
+                    writer.wait()  # tensors before it are written first
+                    (f, i), = batch
+                    self._stream_one(sink, f, i, files[f], chunks)
+                    done += self.tensors[i].nbytes
+                    continue
                 self.arena = _next_arena(self.arenas, n, budget, writer)
+                n += 1
                 try:
                     tensors = self.read([i for _, i in batch])
                 except Exception as err:  # noqa: BLE001 - shared with every rank
@@ -498,6 +525,50 @@ class StoredState:
         if progress is not None and sink.failure is None:
             progress(total, total)
 
+    def _stream_plan(self, index: int) -> list[tuple[ReadItem, StoredItem]] | None:
+        """The stored chunks of tensor ``index`` in the order of its bytes, if
+        every one can be streamed straight into the output: exported in its
+        stored dtype, each a run of whole rows (contiguous in the full tensor),
+        together covering it exactly; else ``None``."""
+        md = self.metadata[index]
+        if self.tensors[index].dtype != md.properties.dtype:
+            return None
+        shape = tuple(int(n) for n in md.size)
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        itemsize = md.properties.dtype.itemsize
+        placed: list[tuple[int, int, ReadItem, StoredItem]] = []
+        for item in whole_tensor_items(self.chosen[index][1], md):
+            box = Box(tuple(int(o) for o in item.dest_offsets), tuple(int(n) for n in item.lengths))
+            if not _contiguous_in(box, shape):
+                return None
+            try:
+                info = self.stream.streamable(item)
+            except Exception:  # noqa: BLE001 - the batch path reads it again and shares the error
+                return None
+            if info is None:
+                return None
+            start = sum(o * st for o, st in zip(box.offsets, strides)) * itemsize
+            placed.append((start, box.numel * itemsize, item, info))
+        placed.sort(key=lambda entry: entry[0])
+        at = 0
+        for start, nbytes, _, _ in placed:
+            if start != at:
+                return None  # a gap or an overlap: let the batch path assemble it
+            at += nbytes
+        if at != self.tensors[index].nbytes:
+            return None
+        return [(item, info) for _, _, item, info in placed]
+
+    def _stream_one(self, sink: FileSink, f: int, i: int, spec: HFFile,
+                    chunks: Sequence[tuple[ReadItem, StoredItem]]) -> None:
+        """Write tensor ``i`` of file ``f`` from its stored chunks, a frame at a time."""
+        if i == spec.tensors[0]:
+            sink.open(f)
+        sink.put_stream(f, i, (view for item, info in chunks for view in self.stream.read(item, info)))
+        if i == spec.tensors[-1]:
+            sink.close(f)
 
     def _culprit(self, batch: Sequence[tuple[int, int]], err: Exception) -> tuple[int, int, Exception]:
         """The file, tensor and error of the first tensor of ``batch`` that

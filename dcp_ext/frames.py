@@ -60,6 +60,7 @@ __all__ = [
     "FrameStats",
     "FrameWork",
     "FrameReader",
+    "ItemRead",
 ]
 
 CHECKSUM = "xxh3-64"
@@ -577,7 +578,7 @@ class FrameWork:
 
 
 @dataclass(frozen=True, slots=True)
-class _ItemRead:
+class ItemRead:
     """What the frame checks of one stored item need to know."""
 
     where: str
@@ -639,7 +640,7 @@ class FrameReader:
         """
         item = table.item
         transforms = item.transforms
-        context = _ItemRead(where, index, transforms, verify, item.relative_path, describe)
+        context = ItemRead(where, index, transforms, verify, item.relative_path, describe)
         parts: dict[int, list[tuple[int, memoryview]]] = {}
         size = table.frame_size
         for start, dest in runs:
@@ -671,7 +672,7 @@ class FrameReader:
             pieces.append(Piece(frame.file, frame.stored_offset, stored, done))
         return pieces, scratch_bytes
 
-    def check(self, context: _ItemRead, frame: FrameSpan, stored: memoryview) -> None:
+    def check(self, context: ItemRead, frame: FrameSpan, stored: memoryview) -> None:
         """Check one frame's stored bytes against its checksum.
 
         Raises:
@@ -687,7 +688,7 @@ class FrameReader:
 
     def decode(
         self,
-        context: _ItemRead,
+        context: ItemRead,
         frame: FrameSpan,
         stored: memoryview,
         parts: list[tuple[int, memoryview]],

@@ -46,6 +46,7 @@ __all__ = [
     "TensorChecksums",
     "FileChecksums",
     "ChecksumRecorder",
+    "TensorHasher",
     "sidecar_name",
     "encode_sidecar",
     "decode_sidecar",
@@ -129,29 +130,66 @@ class ChecksumRecorder:
             sums = tuple(checksum(view[at : at + step]) for at in range(0, len(view), step))
             self._tensors[name] = TensorChecksums(name, offset, len(view), step, sums)
             return
-        frames: list[int] = []
-        hasher = xxhash.xxh3_64()
-        filled = total = 0
+        hasher = self.start(name, offset)
         for run in data:
-            view = memoryview(run).cast("B")
-            at = 0
-            while at < len(view):
-                take = min(step - filled, len(view) - at)
-                hasher.update(view[at : at + take])
-                at += take
-                filled += take
-                if filled == step:
-                    frames.append(hasher.intdigest())
-                    hasher.reset()
-                    filled = 0
-            total += len(view)
-        if filled:
-            frames.append(hasher.intdigest())
-        self._tensors[name] = TensorChecksums(name, offset, total, step, tuple(frames))
+            hasher.update(run)
+        hasher.finish()
+
+    def start(self, name: str, offset: int) -> TensorHasher:
+        """Record tensor ``name`` from bytes handed over run by run
+        (:class:`TensorHasher`), its data starting at ``offset`` of the file."""
+        return TensorHasher(self, name, offset)
+
+    def _record(self, sums: TensorChecksums) -> None:
+        self._tensors[sums.name] = sums
 
     def finish(self, size: int) -> FileChecksums:
         """The file's checksums, once it is complete and ``size`` bytes long."""
         return FileChecksums(self.file, size, self.frame_size, dict(self._tensors))
+
+
+class TensorHasher:
+    """The frame checksums of one tensor's bytes, computed as its runs come
+    (a frame may span runs); :meth:`finish` records them with the recorder
+    it came from (:meth:`ChecksumRecorder.start`). Hash each run while it is
+    in the CPU cache: right after it was read or before it is written."""
+
+    def __init__(self, recorder: ChecksumRecorder, name: str, offset: int) -> None:
+        self._recorder = recorder
+        self._name = name
+        self._offset = offset
+        self._hasher = xxhash.xxh3_64()
+        self._frames: list[int] = []
+        self._filled = 0
+        self._total = 0
+
+    def update(self, run: bytes | bytearray | memoryview) -> None:
+        """Hash the tensor's next bytes."""
+        step = self._recorder.frame_size
+        view = memoryview(run).cast("B")
+        at = 0
+        while at < len(view):
+            take = min(step - self._filled, len(view) - at)
+            if take == step:  # a whole frame in one piece: no hasher state
+                self._frames.append(checksum(view[at : at + take]))
+            else:
+                self._hasher.update(view[at : at + take])
+                self._filled += take
+                if self._filled == step:
+                    self._frames.append(self._hasher.intdigest())
+                    self._hasher.reset()
+                    self._filled = 0
+            at += take
+        self._total += len(view)
+
+    def finish(self) -> None:
+        """Record the tensor's checksums (its last frame may be shorter)."""
+        if self._filled:
+            self._frames.append(self._hasher.intdigest())
+            self._hasher.reset()
+            self._filled = 0
+        step = self._recorder.frame_size
+        self._recorder._record(TensorChecksums(self._name, self._offset, self._total, step, tuple(self._frames)))
 
 
 def encode_sidecar(files: Sequence[FileChecksums]) -> bytes:

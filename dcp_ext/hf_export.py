@@ -84,12 +84,17 @@ class HFExportReport:
         bytes_written: Bytes of those files (headers included).
         total_bytes: Bytes of tensor data in the whole export (the index's ``total_size``).
         seconds: Wall time of the call on this rank.
+        streamed_bytes: Of this rank's tensor data, the bytes copied from a
+            partial checkpoint's files frame by frame (uncompressed, on local
+            or shared POSIX storage, not cast: :mod:`dcp_ext.frame_stream`);
+            the rest went through memory a batch of tensors at a time.
     """
 
     files: tuple[str, ...]
     bytes_written: int
     total_bytes: int
     seconds: float
+    streamed_bytes: int = 0
 
 
 def _check_dtype(dtype: torch.dtype | None) -> None:
@@ -210,7 +215,7 @@ def _export(
     group.run_on_coordinator(lambda: _finish_folder(store, plan, outcomes, existing, extra))
     mine = outcomes[group.rank]
     return HFExportReport(mine.files, mine.bytes_written, sum(f.nbytes for f in plan.files),
-                          time.perf_counter() - started)
+                          time.perf_counter() - started, sink.streamed_bytes)
 
 
 def save_hf(

@@ -268,6 +268,25 @@ class CheckpointReader(StorageReader):
             return self.sibling_store(directory).describe(file)
         return self.store.describe(name)
 
+    def file_store(self, name: str) -> tuple[Store, str]:
+        """The store holding data file ``name`` of this checkpoint, and its name
+        there: this checkpoint's store, or for a file an incremental
+        checkpoint refers to (``../tag_partial/file``) the sibling checkpoint's."""
+        if name.startswith(REFERENCE_PREFIX):
+            directory, file = split_reference(name, self.path)
+            return self.sibling_store(directory), file
+        return self.store, name
+
+    def stored_item(self, read_item: ReadItem) -> Any:
+        """(after :meth:`set_up_storage_reader`) Where the stored chunk
+        ``read_item`` reads from lies: a :class:`StoredItem` with its frames
+        (frame index read if needed), or a torch-written item's storage info.
+
+        Raises:
+            CheckpointCorruptError: The metadata has no such chunk.
+        """
+        return self._info(read_item)
+
     @property
     def frame_stats(self) -> FrameStats:
         """Frames verified and decoded since the last ``reset``."""

@@ -98,6 +98,11 @@ def test_minilm_from_two_ranks_loads_in_transformers(tmp_path: Path) -> None:
             assert sum(r[written].bytes_written for r in reports) == sum(
                 (folder / f).stat().st_size for f in shards)
     _assert_equal(AutoModel.from_pretrained(str(tmp_path / "fsdp")).state_dict(), reference)
+    # From local uncompressed checkpoints: FSDP's row blocks go from the source
+    # files to the output frame by frame; TP's column blocks (Shard(1)) are
+    # assembled in memory, in the same files.
+    assert sum(r["partial"].streamed_bytes for r in reports) == total
+    assert 0 < sum(r["tp_partial"].streamed_bytes for r in reports) < total
     # 46.9 MB of word embeddings alone.
     assert list(json.loads((tmp_path / "fsdp" / INDEX).read_text())["weight_map"].values()).count(shards[0]) == 1
     assert reports[0]["tp_placements"] == ["(Replicate(),)", "(Shard(dim=0),)", "(Shard(dim=1),)"]
@@ -284,3 +289,57 @@ def test_export_of_a_damaged_checkpoint_names_the_tensor_and_leaves_nothing(tmp_
     with pytest.raises(dcp_ext.ChecksumMismatchError, match=r"tensor '1\.weight'.*frame 1 of 4 of 'model\.1\.weight'"):
         dcp_ext.export_hf(str(tmp_path / "root" / "s_partial"), str(tmp_path / "hf"))
     assert os.listdir(tmp_path / "hf") == []
+
+
+def test_export_streams_local_frames_and_batches_the_rest(tmp_path: Path) -> None:
+    """From a local uncompressed checkpoint each tensor goes from the source
+    files to the output a frame at a time (incremental checkpoints too: frames
+    in the earlier checkpoint's file); compressed sources and casts go through
+    memory in batches. Every output is bit-exact and verifies; a damaged or
+    truncated source fails the export naming the file, and leaves nothing."""
+    from tests.support.damage_trials import flip_byte
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(300, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    config = dcp_ext.IOConfig(frame_size=4096)
+    root = tmp_path / "root"
+    manager = dcp_ext.CheckpointManager(str(root), config=config, incremental=True)
+    manager.save("s0", model)
+    with torch.no_grad():
+        model[2].weight.add_(1.0)  # only the head changes: s1 refers to s0's frames of the rest
+    manager.save("s1", model)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    total = sum(t.numel() * t.element_size() for t in expected.values())
+    assert "s0_partial" in str(dcp_ext.CheckpointRoot(str(root)).referenced_files())
+
+    report = dcp_ext.export_hf(str(root / "s1_partial"), str(tmp_path / "inc"), max_shard_size=20_000)
+    assert report.streamed_bytes == total and len(report.files) == 2
+    _assert_equal(_folder(tmp_path / "inc"), expected)
+    assert dcp_ext.verify_full(tmp_path / "inc").ok
+
+    half = dcp_ext.export_hf(str(root / "s1_partial"), str(tmp_path / "half"), dtype=torch.float16)
+    assert half.streamed_bytes == 0
+    _assert_equal(_folder(tmp_path / "half"), {k: v.to(torch.float16) for k, v in expected.items()})
+
+    dcp_ext.CheckpointManager(str(tmp_path / "z"), config=config, compression="zstd").save("s", model)
+    zst = dcp_ext.export_hf(str(tmp_path / "z" / "s_partial"), str(tmp_path / "zst"), max_shard_size=20_000)
+    assert zst.streamed_bytes == 0 and zst.files == report.files
+    _assert_equal(_folder(tmp_path / "zst"), expected)
+    assert dcp_ext.verify_full(tmp_path / "zst").ok
+
+    # A damaged frame of the earlier checkpoint is named from the newer one.
+    stored = dcp_ext.CheckpointReader(str(root / "s0_partial")).read_metadata().storage_data
+    item = next(v for k, v in stored.items() if k.fqn == "model.0.weight")
+    flip_byte(root / "s0_partial" / item.relative_path, item.offset + item.data_offset + 5000)
+    with pytest.raises(dcp_ext.ChecksumMismatchError,
+                       match=r"tensor '0\.weight'.*s0_partial.*\(referenced by .*s1_partial.*frame 2 of \d+ of 'model\.0\.weight'"):
+        dcp_ext.export_hf(str(root / "s1_partial"), str(tmp_path / "bad"))
+    assert os.listdir(tmp_path / "bad") == []
+    flip_byte(root / "s0_partial" / item.relative_path, item.offset + item.data_offset + 5000)  # mended
+
+    # A truncated source file: named, nothing left.
+    data = root / "s1_partial" / "model_rank0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(dcp_ext.CheckpointCorruptError, match=r"s1_partial/model_rank0\.distcp"):
+        dcp_ext.export_hf(str(root / "s1_partial"), str(tmp_path / "short"))
+    assert os.listdir(tmp_path / "short") == []

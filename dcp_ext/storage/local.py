@@ -44,7 +44,7 @@ from ..errors import (
 )
 from ._base import TMP_MARK, ObjectWriter, Store, request_views, scatter
 
-__all__ = ["LocalStore"]
+__all__ = ["LocalStore", "LocalFile"]
 
 _KEY_PREFIX_DIR = re.compile(r"^[0-9a-f]{1,8}$")  # names layout.key_prefix gives
 
@@ -327,6 +327,47 @@ class _LocalWriter(ObjectWriter):
             pass  # best effort; the temporary name is never read as data
 
 
+class LocalFile:
+    """(one thread) A data file opened for sequential reads into caller buffers
+    (:meth:`LocalStore.open_file`): one descriptor for many reads, kernel
+    read-ahead asked for along the way, errors named as the store names them.
+    """
+
+    def __init__(self, store: LocalStore, name: str) -> None:
+        self._store = store
+        self.name = name
+        try:
+            self._fd = os.open(store._path(name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as err:
+            raise translate_os_error(err, store.describe(name), "opening") from err
+        self._advised = 0  # end of the range announced to the kernel so far
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+    def read_into(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the file's bytes from ``offset``.
+
+        Raises:
+            CheckpointCorruptError: The file ends first (truncated or replaced).
+            StorageError: (or a subclass) the read failed.
+        """
+        end = offset + view.nbytes
+        try:
+            if end > self._advised and hasattr(os, "posix_fadvise"):
+                # A window of reads queued ahead of the copy (as Store.read does).
+                self._advised = max(end, max(self._advised, offset) + _READ_AHEAD)
+                os.posix_fadvise(self._fd, offset, self._advised - offset, os.POSIX_FADV_WILLNEED)
+            got = _preadv_exact(self._fd, [view], offset)
+        except OSError as err:
+            raise translate_os_error(err, self._store.describe(self.name), "reading") from err
+        if got < view.nbytes:
+            raise self._store._short_read(self.name, offset, view.nbytes, got)
+        self._store.stats.add_read(self.name, view.nbytes)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class LocalStore(Store):
     """A checkpoint directory on a local or shared POSIX file system.
 
@@ -343,6 +384,14 @@ class LocalStore(Store):
 
     def _path(self, name: str) -> Path:
         return self.root / name
+
+    def open_file(self, name: str) -> LocalFile:
+        """Open data file ``name`` for sequential reads (:class:`LocalFile`).
+
+        Raises:
+            FileNotFoundError: (a dcp_ext subclass) it does not exist.
+        """
+        return LocalFile(self, name)
 
     def make_parent(self, name: str) -> None:
         """Create the sub-directory file ``name`` goes in."""

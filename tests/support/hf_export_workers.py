@@ -94,7 +94,7 @@ def hf_world(rank: int, world_size: int, model_dir: str, out: str) -> dict[str, 
     report["tp"] = dcp_ext.save_hf(tp_state, f"{out}/tp", max_shard_size=SHARD, config_json=config_text)
     # Its partial checkpoint holds column blocks (Shard(1)): read into place one at a time.
     dcp_ext.save(tp_state, f"{out}/tp_partial")
-    dcp_ext.export_hf(f"{out}/tp_partial", f"{out}/tp_from_partial", max_shard_size=SHARD)
+    report["tp_partial"] = dcp_ext.export_hf(f"{out}/tp_partial", f"{out}/tp_from_partial", max_shard_size=SHARD)
 
     # -- failures and overwrite ---------------------------------------------------------
     report["exists"] = _raised(lambda: dcp_ext.save_hf(state, f"{out}/fsdp", max_shard_size=SHARD))

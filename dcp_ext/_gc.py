@@ -6,6 +6,15 @@ millions of objects, that allocation triggers full collections: measured on a
 1 GiB, 2,496-tensor checkpoint, a whole ``dcp_ext.load`` took 0.35 s with the
 collector running and 0.18 s with it paused. Reference counting still frees
 everything that is not in a cycle; the collector runs again on exit.
+
+Stock ``dcp.load`` calls the reader's ``read_metadata`` first and its
+``read_data`` last, with planning and DCP's own collectives in between, outside
+any block of dcp_ext's. A :class:`GcLease` covers that stretch: it starts in
+``read_metadata`` and ends when ``read_data`` returns, or after a time limit if
+the load failed in between and ``read_data`` never came (measured: a 2-rank
+1 GiB warm load took 0.32-0.33 s, and 0.44-0.58 s in the 2 loads of 5 where a
+full collection fell inside DCP's plan exchange, 0.37-0.42 s of it unpickling
+a 59 KB plan).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["gc_paused"]
+__all__ = ["gc_paused", "GcLease"]
 
 _lock = threading.Lock()
 _depth = 0
@@ -35,6 +44,42 @@ def gc_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _was_enabled:
+                gc.enable()
+
+
+class GcLease:
+    """A pause of the cyclic collector (shared with :func:`gc_paused`) that
+    ends at :meth:`release` or after ``seconds``, whichever comes first; a
+    second release does nothing.
+
+    Args:
+        seconds: The longest the pause lasts.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        global _depth, _was_enabled
+        self._released = False
+        self._guard = threading.Lock()
+        with _lock:
+            if _depth == 0:
+                _was_enabled = gc.isenabled()
+                gc.disable()
+            _depth += 1
+        self._timer = threading.Timer(seconds, self.release)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def release(self) -> None:
+        """End the pause (the collector runs again once no other pause holds)."""
+        global _depth
+        with self._guard:
+            if self._released:
+                return
+            self._released = True
+        self._timer.cancel()
         with _lock:
             _depth -= 1
             if _depth == 0 and _was_enabled:

@@ -55,7 +55,7 @@ from .metadata.document import REFERENCE_PREFIX, FrameIndexRef, split_reference
 from .metadata.frame_index import attach_frame_indexes
 from ._compat import _StorageInfo, narrow_tensor_by_index
 from ._exchange import Exchange, Incoming, as_bytes, bytes_incoming, host_identity, shared_memory_usable
-from ._gc import gc_paused
+from ._gc import GcLease, gc_paused
 from ._memory import release_free_memory
 from ._ranges import Piece, ReadRequest, box_runs, plan_requests, run_starts
 from ._torch_format import tensor_bytes
@@ -231,6 +231,7 @@ class CheckpointReader(StorageReader):
         self._tables: dict[MetadataIndex, FrameTable] = {}
         self._frames = FrameReader()
         self._dcp_rank: int | None = None
+        self._gc_lease: GcLease | None = None
         self.last_exchange: Exchange | None = None
 
     @property
@@ -292,9 +293,15 @@ class CheckpointReader(StorageReader):
         """Frames verified and decoded since the last ``reset``."""
         return self._frames.stats
 
+    def _end_gc_lease(self) -> None:
+        lease, self._gc_lease = self._gc_lease, None
+        if lease is not None:
+            lease.release()
+
     # -- StorageReader --------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """(all ranks) Start a new load, optionally from a new path."""
+        self._end_gc_lease()
         if checkpoint_id:
             new_path = normalize_path(checkpoint_id)
             if new_path != self.path:
@@ -319,11 +326,16 @@ class CheckpointReader(StorageReader):
             CheckpointCorruptError: The metadata is damaged or hostile.
         """
         self.last_error = None
+        # The collector stays paused through DCP's planning and plan exchange
+        # until read_data returns (dcp.load calls this first, read_data last).
+        self._end_gc_lease()
+        self._gc_lease = GcLease(_GC_LEASE_SECONDS)
         try:
-            with gc_paused():
-                metadata = self._read_metadata()
-        except DcpExtError as err:
-            self.last_error = err
+            metadata = self._read_metadata()
+        except BaseException as err:
+            self._end_gc_lease()
+            if isinstance(err, DcpExtError):
+                self.last_error = err
             raise
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -500,17 +512,20 @@ class CheckpointReader(StorageReader):
         """(all ranks) Fetch this rank's slices and hand them to the planner;
         with read-once, exchange shared items with the other ranks (every
         rank raises the same error if any rank fails)."""
-        with gc_paused():
-            if isinstance(plan.storage_data, RankExchange):
-                try:
-                    self._read_exchanging(plan, planner, plan.storage_data)
-                except DcpExtError as err:
-                    # DCP's own collective after read_data fails too when a
-                    # rank died, hiding this error; dcp_ext.load raises it.
-                    self.last_error = err
-                    raise
-            else:
-                self._read_all(plan, planner)
+        try:
+            with gc_paused():
+                if isinstance(plan.storage_data, RankExchange):
+                    try:
+                        self._read_exchanging(plan, planner, plan.storage_data)
+                    except DcpExtError as err:
+                        # DCP's own collective after read_data fails too when a
+                        # rank died, hiding this error; dcp_ext.load raises it.
+                        self.last_error = err
+                        raise
+                else:
+                    self._read_all(plan, planner)
+        finally:
+            self._end_gc_lease()
         release_free_memory()
         future: Future[None] = Future()
         future.set_result(None)
@@ -890,6 +905,11 @@ class CheckpointReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+#: The longest the collector stays paused between ``read_metadata`` and the
+#: end of ``read_data`` (a load that failed in between never reaches it).
+_GC_LEASE_SECONDS = 120.0
 
 
 def _lands_directly(target: torch.Tensor, dtype: torch.dtype) -> bool:

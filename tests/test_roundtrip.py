@@ -202,3 +202,52 @@ def test_restricted_unpickler_refuses_code(tmp_path) -> None:
     with pytest.raises(dcp_ext.CheckpointCorruptError, match="posix.system|os.system"):
         dcp_ext.load({"a": torch.zeros(2)}, url)
     assert not marker.exists()
+
+
+def test_stock_load_pauses_the_collector_from_metadata_to_the_last_read(tmp_path) -> None:
+    """Stock dcp.load: the cyclic collector is paused from the reader's
+    read_metadata (first) through DCP's planning to the end of read_data
+    (last), and runs again afterwards; a load that fails in between ends the
+    pause at the reader's next reset, or when the lease runs out."""
+    import gc
+    import time
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from dcp_ext._gc import GcLease
+
+    seen: list[bool] = []
+
+    class Recording(DefaultLoadPlanner):
+        fail = False
+
+        def create_local_plan(self):  # type: ignore[no-untyped-def]
+            seen.append(gc.isenabled())
+            if self.fail:
+                raise RuntimeError("planning failed")
+            return super().create_local_plan()
+
+    state = _sample_state()
+    dcp.save(state, storage_writer=CheckpointWriter(str(tmp_path / "c")))
+    assert gc.isenabled()
+    reader = CheckpointReader(str(tmp_path / "c"))
+    dest = zeros_like_state(state)
+    dcp.load(dest, storage_reader=reader, planner=Recording())
+    assert seen == [False] and gc.isenabled()
+    assert_same_state(dest, state)
+
+    failing = Recording()
+    failing.fail = True
+    with pytest.raises(BaseException) as failed:  # DCP's CheckpointException (a BaseException)
+        dcp.load(zeros_like_state(state), storage_reader=reader, planner=failing)
+    assert "planning failed" in repr(getattr(failed.value, "failures", failed.value))
+    assert seen == [False, False] and not gc.isenabled()  # read_data never came
+    reader.reset()
+    assert gc.isenabled()
+
+    lease = GcLease(0.2)
+    assert not gc.isenabled()
+    time.sleep(0.6)
+    assert gc.isenabled()
+    lease.release()  # after the time limit: nothing more to end
+    assert gc.isenabled()

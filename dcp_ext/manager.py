@@ -833,7 +833,8 @@ class CheckpointManager:
         self.last_restore_plan = plan
         # Each node reads the files in its own tier; read-once could make a
         # rank owner of bytes only another node holds locally, so it is off.
-        reader = CheckpointReader(store.describe(), config=self.config, store=store, read_once=False)
+        reader = CheckpointReader(store.describe(), storage_options=self.storage_options, config=self.config, store=store,
+                                  read_once=False)
         if not apart:
             return self._resume_partial(plan.tag, model, optimizer, strict, allow_dtype_cast, reader)
         failure: Exception | None = None
@@ -849,7 +850,8 @@ class CheckpointManager:
         # A damaged local copy: the whole tag again from the root.
         log.warning("the local copy of %s is damaged (%s); loading it from %s", plan.tag, failure, root.url)
         store = TieredStore([("root", root.partial_store(plan.tag))])
-        reader = CheckpointReader(store.describe(), config=self.config, store=store, read_once=False)
+        reader = CheckpointReader(store.describe(), storage_options=self.storage_options, config=self.config, store=store,
+                                  read_once=False)
         return self._resume_partial(plan.tag, model, optimizer, strict, allow_dtype_cast, reader)
 
     def _newest_or_raise(self) -> str:

@@ -89,6 +89,29 @@ def test_local_saves_drains_and_restores_from_the_fastest_intact_copy(tmp_path: 
         assert report["replica_fetches"] == 4 + len(shared) and report["healed_has_metadata"]
         # Both nodes wiped: the persisted p1, all from the root.
         assert "local" not in report["restore_both_wiped"] and report["restore_both_wiped"]["root"] > 0
+    # Incremental with the tiers (zstd, S3 root, persist_every=2, KeepLast(2) in the root).
+    inc = r0["incremental"]
+    drained = inc["drained_bytes"]
+    print("bytes written to the root per persisted save:", drained)
+    # i2 wrote every frame; i4 and i6 only the trained layers' frames (and the small items).
+    assert drained["i4"] < 0.5 * drained["i2"] and drained["i6"] < 0.5 * drained["i2"], drained
+    assert inc["root_tags"] == ["i4", "i6"] and inc["root_newest"] == "i6", inc
+    # i2 is deleted by retention but its frozen frames are used: retired, not gone.
+    assert inc["retired"] == ["i2"] and inc["root_dirs"] == ["i2_partial", "i4_partial", "i6_partial"], inc
+    assert inc["problems"] == {"missing": [], "unused": []}, inc["problems"]
+    for tag, (base, chain) in {"i4": ("i2", 1), "i6": ("i4", 2)}.items():
+        section = inc["sections"][tag]
+        assert section[:2] == (base, chain) and section[2], (tag, section)
+        assert all(name.startswith("../i2_partial/") for name in section[2]), (tag, section)
+    for report in reports:
+        mine = report["incremental"]
+        assert mine["local_tags"] == ["i6_partial", "i7_partial"], mine["local_tags"]  # keep_local=2
+        # The local tiers hold full copies: i7 and i6 read locally, no byte from the root.
+        for tag in ("i7", "i6"):
+            assert mine[f"restore_{tag}"]["local"] > 0 and "root" not in mine[f"restore_{tag}"], mine
+        # A damaged local copy (node 0) or a wiped node: the whole tag from the root, on every rank.
+        for case in ("restore_damaged", "restore_wiped"):
+            assert "local" not in mine[case] and mine[case]["root"] > 0, (case, mine[case])
 
 
 def test_one_process_tiers_ls_and_verify(tmp_path: Path, capsys) -> None:

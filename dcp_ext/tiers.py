@@ -420,6 +420,7 @@ def drain(
                 files[METADATA_FILE] = root_document(
                     decoded, [s for s in shares if s is not None], base, persistent, target.describe(METADATA_FILE))
             write_commit_files(target, files)
+            lock.release()  # committed: as after a save's commit, no lock outlives a kill during retention
             created = read_created(files[METADATA_FILE][:_HEAD_BYTES]) or 0.0
             newest = persistent.newest_record()
             newer = [t for t in persistent.committed() if t.tag == newest and t.committed_at > created]

@@ -178,6 +178,48 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
     drain committed and loads bit-exact here (one process), and the next job
     resumes bit-exact: the killed tag itself once it had committed in both
     local tiers (after a random kill: the previous tag or the killed one)."""
+    # (crash, committed in both local tiers before the kill, drained); None:
+    # a kill at a random moment, either outcome (the next job tells which).
+    trials = [("none", True, True), ("0:mid_data", False, False), ("1:mid_local_commit", False, False),
+              ("0:mid_replication", True, False), ("1:mid_drain", True, False), ("all:before_drain_commit", True, False),
+              ("1:random:0.04", None, None), ("0:random:0.07", None, None), ("none", True, True)]
+    root, persisted, _ = _killed_tiered_jobs(tmp_path, trials, incremental=False)
+    # The last clean drain removed what the killed drains left in the root.
+    kept = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert kept == sorted(f"{tag}_partial" for tag in persisted)
+
+
+def test_killed_incremental_drains_keep_the_root_loadable(tmp_path: Path) -> None:
+    """The same jobs with an incremental manager (full local copies, drains
+    that write only the changed frames, KeepLast(2) in the root, every tag
+    kept locally), killed in
+    an incremental drain, during the root's retention
+    (which retires the base whose frames kept tags use) and at a random
+    moment: after each, every committed tag of the root loads bit-exact and
+    no file a committed tag refers to is missing; after the last clean
+    drain no data file is left that no committed tag uses."""
+    import dcp_ext
+    from tests.support.tier_workers import root_problems
+
+    trials = [("none", True, True), ("none", True, True), ("1:mid_drain", True, False),
+              ("0:mid_retention", True, True), ("1:random:0.08", None, None), ("none", True, True)]
+    root, persisted, chains = _killed_tiered_jobs(tmp_path, trials, incremental=True)
+    checkpoints = dcp_ext.CheckpointRoot(str(root))
+    assert [t.tag for t in checkpoints.committed()] == persisted[-2:], persisted
+    assert root_problems(checkpoints) == {"missing": [], "unused": []}
+    # step2 and step4 (killed in its retention) wrote only the changed frames; later
+    # drains build on the previous persisted tag or restart the chain (restart_reason).
+    assert chains["step1"] == (None, 0) and chains["step2"] == ("step1", 1), chains
+    assert chains["step4"] == ("step2", 2), chains
+    for before, tag in zip(persisted, persisted[1:]):
+        assert chains[tag][1] == 0 or chains[tag][0] == before, chains
+    assert not any(checkpoints.partial_store(t).exists(".dcp_ext.saving") for t in checkpoints.partial_tags())
+
+
+def _killed_tiered_jobs(tmp_path: Path, trials: list[tuple[str, bool | None, bool | None]],
+                        incremental: bool) -> tuple[Path, list[str], dict[str, tuple[str | None, int]]]:
+    """Run ``tier_crash_job`` once per trial, checking after each; the root, the
+    persisted tags, and (incremental) the base and chain of each as drained."""
     import subprocess
     import sys
 
@@ -186,20 +228,18 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
     import dcp_ext
     from tests.support import REPO
     from tests.support.crash_job import make_model
+    from tests.support.tier_workers import root_problems
 
     root, local = tmp_path / "root", tmp_path / "local"
-    # (crash, committed in both local tiers before the kill, drained); None:
-    # a kill at a random moment, either outcome (the next job tells which).
-    trials = [("none", True, True), ("0:mid_data", False, False), ("1:mid_local_commit", False, False),
-              ("0:mid_replication", True, False), ("1:mid_drain", True, False), ("all:before_drain_commit", True, False),
-              ("1:random:0.04", None, None), ("0:random:0.07", None, None), ("none", True, True)]
     log: list[str] = []
     newest_local: set[str] = set()  # what the next job may resume (one tag, or two after a random kill)
     drained = None
     persisted: list[str] = []
+    chains: dict[str, tuple[str | None, int]] = {}
     for step, (crash, local_commit, drains) in enumerate(trials, start=1):
         args = [sys.executable, "-m", "tests.support.tier_crash_job", str(root), str(local), str(step), crash]
-        run = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=180)
+        run = subprocess.run(args + (["incremental"] if incremental else []), cwd=REPO, capture_output=True,
+                             text=True, timeout=180)
         log.append(f"step {step} {crash}: exit {run.returncode} {run.stdout.strip()!r}")
         resumed = [line.split() for line in run.stdout.splitlines() if line.startswith("RESUMED")]
         if newest_local:
@@ -216,17 +256,23 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
         if drains or (drains is None and persistent.newest() == f"step{step}"):
             drained = f"step{step}"
             persisted.append(drained)
+            if incremental:
+                section = dcp_ext.metadata.read_incremental_section(
+                    persistent.partial_store(drained).read_file(dcp_ext.metadata.METADATA_FILE), drained)
+                assert section is not None
+                chains[drained] = (section.base, section.chain)
         assert persistent.newest() == drained, "\n".join(log)
         assert f"step{step}" in [t.tag for t in persistent.committed()] if drains else True
-        if drained is not None:
-            model = make_model(0)
-            dcp_ext.CheckpointManager(root).resume(model, tag=drained)
-            expected = make_model(int(drained.removeprefix("step"))).state_dict()
-            assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), drained
-    # The last clean drain removed what the killed drains left in the root.
+        # Every committed tag of the root (the newest at least) loads bit-exact from the root alone.
+        for tag in [t.tag for t in persistent.committed()] if incremental else [drained] if drained else []:
+            model = make_model(0, incremental)
+            dcp_ext.CheckpointManager(root).resume(model, tag=tag)
+            expected = make_model(int(tag.removeprefix("step")), incremental).state_dict()
+            assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), (tag, log)
+        if incremental:
+            assert root_problems(persistent)["missing"] == [], "\n".join(log)
     print("\n".join(log))
-    kept = sorted(p.name for p in root.iterdir() if p.is_dir())
-    assert kept == sorted(f"{tag}_partial" for tag in persisted), "\n".join(log)
+    return root, persisted, chains
 
 
 def test_a_full_file_system(tmp_path: Path) -> None:

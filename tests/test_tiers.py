@@ -171,6 +171,69 @@ def test_one_process_tiers_ls_and_verify(tmp_path: Path, capsys) -> None:
         dcp_ext.CheckpointManager(tight_root, local_tier="s3://bucket/local")
 
 
+def test_one_process_incremental_tiers(tmp_path: Path) -> None:
+    """One process, uncompressed, a local root: a tiered incremental manager
+    keeps full copies locally and drains only changed frames; the drained
+    tags verify, load bit-exact from the root alone, and compact; a save
+    that does not fit the tier goes straight to the root, incremental too."""
+    import torch
+
+    import dcp_ext
+    from tests.support.tier_workers import root_problems
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+    model[0].requires_grad_(False)  # the frozen base: 1 MiB, one frame
+    optim = torch.optim.Adam(model[1].parameters())
+    root, local = tmp_path / "root", tmp_path / "local"
+    expected: dict[str, dict[str, torch.Tensor]] = {}
+
+    def data_bytes(tag: str) -> int:
+        return sum(p.stat().st_size for p in (root / f"{tag}_partial").glob("*.distcp"))
+
+    with dcp_ext.CheckpointManager(root, local_tier=local, persist_every=2, keep_local=1, incremental=True,
+                                   retention=dcp_ext.KeepLast(2)) as manager:
+        for step in range(1, 7):
+            model(torch.randn(4, 512)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            manager.save(f"s{step}", model, optim)
+            expected[f"s{step}"] = {k: v.clone() for k, v in model.state_dict().items()}
+            manager.wait_for_persist()
+        # s2 wrote every frame; s4 and s6 the trained layer (and Adam's state) only.
+        assert data_bytes("s4") < 0.1 * data_bytes("s2") and data_bytes("s6") < 0.1 * data_bytes("s2")
+        assert manager.tags() == ["s4", "s6"] and manager.checkpoints.retired_tags() == ["s2"]
+        assert sorted(p.name for p in local.iterdir() if p.is_dir()) == ["s6_partial"]  # keep_local=1
+        assert root_problems(manager.checkpoints) == {"missing": [], "unused": []}
+        for tag in ("s4", "s6"):
+            assert dcp_ext.verify(root / f"{tag}_partial").ok, tag
+            fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+            dcp_ext.CheckpointManager(root).resume(fresh, tag=tag)
+            assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected[tag].items()), tag
+        # From the local tier: the full copy, no byte from the root.
+        fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+        assert manager.resume(fresh).tag == "s6"
+        assert "root" not in manager.last_reader.store.bytes_by_source()  # the root copy is not mixed in
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected["s6"].items())
+        # compact makes s4 self-contained; s6 still refers to s2's files, which stay.
+        assert manager.compact("s4").changed
+        assert root_problems(manager.checkpoints) == {"missing": [], "unused": []}
+
+    # A tier with no room: the save goes straight to the root, incremental on the root's newest.
+    with dcp_ext.CheckpointManager(root, local_tier=tmp_path / "tight", local_tier_bytes=4096, incremental=True,
+                                   retention=dcp_ext.KeepLast(2)) as tight:
+        with pytest.raises(dcp_ext.StorageFullError):
+            tight.save("s7", model, optim)
+        section = dcp_ext.metadata.read_incremental_section(
+            (root / "s7_partial" / dcp_ext.metadata.METADATA_FILE).read_bytes(), "s7")
+        assert section is not None and section.base == "s6" and section.references, section
+        assert data_bytes("s7") < 0.1 * data_bytes("s4")
+        fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+        assert tight.resume(fresh).tag == "s7"
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+        assert root_problems(tight.checkpoints) == {"missing": [], "unused": []}
+
+
 def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
     """Real 2-rank, 2-node jobs killed while writing the local tier's data,
     during the local commit, replication and the drain, and at two random

@@ -89,7 +89,7 @@ from .errors import CheckpointCorruptError, CheckpointNotFoundError, ChecksumMis
 from .frames import checksum, frame_table
 from .incremental import HASH_BYTES, BaseFrames, IncrementalSave, read_base, restart_reason
 from .layout import PARTIAL_SUFFIX, partial_dir
-from .metadata import METADATA_FILE, StoredItem, decode_metadata, encode_metadata, read_incremental_section
+from .metadata import METADATA_FILE, StoredItem, encode_metadata, read_incremental_section
 from .metadata.chunk_table import ChunkLocations
 from .metadata.decode import DecodedMetadata
 from .metadata.document import FrameIndexRef, split_reference
@@ -98,7 +98,10 @@ from .read_planning import ChunkShapes
 from .root import CheckpointRoot
 from .storage import Store
 
-__all__ = ["DrainBase", "RewrittenFiles", "choose_base", "rewrite_files", "root_document", "refers_elsewhere"]
+__all__ = [
+    "DrainBase", "DrainIncompleteError", "RewrittenFiles", "choose_base", "rewrite_files", "rewrite_file", "root_document",
+    "refers_elsewhere",
+]
 
 log = logging.getLogger("dcp_ext.tiers")
 
@@ -360,8 +363,3 @@ def refers_elsewhere(document: bytes, where: str) -> bool:
     (then its data files differ from a full copy's of the same tag)."""
     section = read_incremental_section(document, where)
     return section is not None and bool(section.references)
-
-
-def decode_local(document: bytes, where: str) -> DecodedMetadata:
-    """The local copy's metadata, decoded (each rank, from its own node)."""
-    return decode_metadata(document, where)

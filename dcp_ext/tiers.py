@@ -19,7 +19,10 @@ tiered save goes there first:
    node's share of the data files to ``ROOT/{tag}_partial/``, then the
    coordinator copies the small files and the metadata last (the commit),
    moves the root's ``newest`` and applies the root's retention. The copies
-   are byte for byte, so the checkpoint in the root is the same checkpoint.
+   are byte for byte, so the checkpoint in the root is the same checkpoint;
+   except with ``incremental=True``, whose drains write to the root only the
+   frames that differ from the root's newest checkpoint
+   (:mod:`dcp_ext.incremental_drain`: the local tiers keep full copies).
 
 Restore (:func:`plan_restore`) looks at every node's inventory and the root
 and picks the newest tag that can be read: from the local tiers when every
@@ -27,7 +30,10 @@ saving rank's files are on its node (or, with replicas, on the partner,
 which sends them), else from the root. Each rank then reads each file from
 its own node's copy if it has one, else from the root
 (:class:`~dcp_ext.storage.tiered.TieredStore`); checksums decide whether a
-copy is intact, and a damaged one is read again from the next source.
+copy is intact, and a damaged one is read again from the next source. A
+root copy written by an incremental drain is not the local copy's files, so
+such a tag is read wholly from the local tiers (when every saving rank's
+files are there) or wholly from the root.
 """
 
 from __future__ import annotations

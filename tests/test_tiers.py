@@ -171,25 +171,28 @@ def test_one_process_tiers_ls_and_verify(tmp_path: Path, capsys) -> None:
         dcp_ext.CheckpointManager(tight_root, local_tier="s3://bucket/local")
 
 
-def test_one_process_incremental_tiers(tmp_path: Path) -> None:
-    """One process, uncompressed, a local root: a tiered incremental manager
-    keeps full copies locally and drains only changed frames; the drained
-    tags verify, load bit-exact from the root alone, and compact; a save
-    that does not fit the tier goes straight to the root, incremental too."""
+@pytest.mark.parametrize("backend", ["local", "fsspec"])
+def test_one_process_incremental_tiers(tmp_path: Path, backend: str) -> None:
+    """One process, uncompressed, a local or an fsspec (memory://) root: a
+    tiered incremental manager keeps full copies locally and drains only
+    changed frames; the drained tags verify, load bit-exact from the root
+    alone, and compact; a save that does not fit the tier goes straight to
+    the root, incremental too."""
     import torch
 
     import dcp_ext
-    from tests.support.tier_workers import root_problems
+    from tests.support.tier_workers import _root_data_bytes, root_problems
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
     model[0].requires_grad_(False)  # the frozen base: 1 MiB, one frame
     optim = torch.optim.Adam(model[1].parameters())
-    root, local = tmp_path / "root", tmp_path / "local"
+    root = str(tmp_path / "root") if backend == "local" else f"memory://dcp-ext-inc-{uuid.uuid4().hex[:8]}"
+    local = tmp_path / "local"
     expected: dict[str, dict[str, torch.Tensor]] = {}
 
     def data_bytes(tag: str) -> int:
-        return sum(p.stat().st_size for p in (root / f"{tag}_partial").glob("*.distcp"))
+        return _root_data_bytes(dcp_ext.CheckpointRoot(root), tag)
 
     with dcp_ext.CheckpointManager(root, local_tier=local, persist_every=2, keep_local=1, incremental=True,
                                    retention=dcp_ext.KeepLast(2)) as manager:
@@ -206,7 +209,7 @@ def test_one_process_incremental_tiers(tmp_path: Path) -> None:
         assert sorted(p.name for p in local.iterdir() if p.is_dir()) == ["s6_partial"]  # keep_local=1
         assert root_problems(manager.checkpoints) == {"missing": [], "unused": []}
         for tag in ("s4", "s6"):
-            assert dcp_ext.verify(root / f"{tag}_partial").ok, tag
+            assert dcp_ext.verify(f"{root}/{tag}_partial").ok, tag
             fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
             dcp_ext.CheckpointManager(root).resume(fresh, tag=tag)
             assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected[tag].items()), tag
@@ -225,7 +228,7 @@ def test_one_process_incremental_tiers(tmp_path: Path) -> None:
         with pytest.raises(dcp_ext.StorageFullError):
             tight.save("s7", model, optim)
         section = dcp_ext.metadata.read_incremental_section(
-            (root / "s7_partial" / dcp_ext.metadata.METADATA_FILE).read_bytes(), "s7")
+            tight.checkpoints.partial_store("s7").read_file(dcp_ext.metadata.METADATA_FILE), "s7")
         assert section is not None and section.base == "s6" and section.references, section
         assert data_bytes("s7") < 0.1 * data_bytes("s4")
         fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))

@@ -842,13 +842,15 @@ class CheckpointManager:
             result = self._resume_partial(plan.tag, model, optimizer, strict, allow_dtype_cast, reader)
         except Exception as err:  # noqa: BLE001 - decided on every rank alike below
             failure = err
-        damaged = self.group.all_gather(isinstance(failure, CheckpointCorruptError) and sources[0][0] == "local")
+        damaged = self.group.all_gather(isinstance(failure, (CheckpointCorruptError, CheckpointNotFoundError))
+                                        and sources[0][0] == "local")
         if not any(damaged):
             if failure is not None:
                 raise failure
             return result
-        # A damaged local copy: the whole tag again from the root.
-        log.warning("the local copy of %s is damaged (%s); loading it from %s", plan.tag, failure, root.url)
+        # A damaged (or vanished) local copy: the whole tag again from the root.
+        log.warning("the local copy of %s cannot be read (%s); loading it from %s", plan.tag,
+                    failure or "on another node", root.url)
         store = TieredStore([("root", root.partial_store(plan.tag))])
         reader = CheckpointReader(store.describe(), storage_options=self.storage_options, config=self.config, store=store,
                                   read_once=False)

@@ -54,6 +54,7 @@ from .codecs import Codec, resolve_codec
 from .compact import CompactReport, compact
 from .config import IOConfig
 from .errors import (
+    CheckpointCorruptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     DcpExtError,
@@ -64,6 +65,7 @@ from .errors import (
 from .full import save_full
 from .hf_layout import HF_INDEX_FILE
 from .incremental import DEFAULT_MAX_CHAIN, IncrementalSave, restart_reason
+from .incremental_drain import refers_elsewhere
 from .key_map import KeyMap, TranslateFunction, rename_keys
 from .layout import (
     PARTITION_FILE,
@@ -169,8 +171,11 @@ class CheckpointManager:
             the newest checkpoint (:mod:`dcp_ext.incremental`): unchanged
             frames (frozen weights, untouched embedding rows) are referred
             to in the earlier checkpoint's files. Off by default. Retention
-            and deletion keep every file a kept checkpoint refers to. Not
-            with ``local_tier``.
+            and deletion keep every file a kept checkpoint refers to. With
+            ``local_tier``, the local tiers hold full copies (with frame
+            hashes) and each drain writes to ``root`` only the frames that
+            differ from the root's newest checkpoint
+            (:mod:`dcp_ext.incremental_drain`).
         max_chain: With ``incremental``: after this many incremental saves
             in a row, a save writes every frame again (so a checkpoint
             needs the files of at most ``max_chain + 1`` saves). A save also
@@ -220,11 +225,6 @@ class CheckpointManager:
             raise ValueError(f"local_tier must be a directory on this node, got the URL {os.fspath(local_tier)!r}")
         if max_chain < 0:
             raise ValueError(f"max_chain must be >= 0, got {max_chain}")
-        if incremental and local_tier is not None:
-            raise ValueError(
-                "incremental=True is not supported together with local_tier yet: tiered saves write every "
-                "frame; use one or the other"
-            )
         self.incremental = incremental
         self.max_chain = max_chain
         self.root = normalize_path(root)
@@ -319,6 +319,16 @@ class CheckpointManager:
             try:
                 last.result()
             except BaseException as err:  # reported by that save's own handle
+                log.warning("the last drain to %s failed: %s", self.root, err)
+
+    def _wait_for_drains(self) -> None:
+        """(all ranks) Wait for the last drain to the root (its failure is its handle's)."""
+        with self._lock:
+            last = self._last_drain
+        if last is not None:
+            try:
+                last.result()
+            except BaseException as err:  # noqa: BLE001 - reported by that save's own handle
                 log.warning("the last drain to %s failed: %s", self.root, err)
 
     def close(self) -> None:
@@ -567,6 +577,9 @@ class CheckpointManager:
         lacking = self.local.lacking_room(_state_nbytes(model, optimizer) + _SMALL_FILES_ALLOWANCE,
                                           self.local_tier_bytes, self.replicas)
         if lacking is not None:
+            if self.incremental:
+                # Its base is the root's newest: no drain may move it (or retire it) meanwhile.
+                self._wait_for_drains()
             direct = self._save_partial(tag, model, optimizer, user_content, policy, async_save, overwrite)
             return self._report_full_tier(tag, lacking, direct)
         state = _app_state(model, optimizer)
@@ -579,6 +592,8 @@ class CheckpointManager:
         writer = CheckpointWriter(
             self.local.partial_url(tag), overwrite=overwrite, config=self.config,
             before_commit=_CommitFiles(user_content, planner), compression=self.compression,
+            # Incremental: a full local copy with each frame's hash, which the drain compares.
+            incremental=IncrementalSave(max_chain=self.max_chain) if self.incremental else None,
         )
         if not async_save:
             run_save(state, writer, planner, self.process_group)
@@ -672,7 +687,8 @@ class CheckpointManager:
     def _drain(self, tag: str, policy: RetentionPolicy | None) -> None:
         assert self.local is not None
         try:
-            drain(self.local, self.checkpoints, tag, GroupView(self._drain_group), policy)
+            drain(self.local, self.checkpoints, tag, GroupView(self._drain_group), policy,
+                  max_chain=self.max_chain if self.incremental else None, storage_options=self.storage_options)
         except BaseException as err:
             log.warning("checkpoint %r stays in the local tier only: drain to %s failed: %s", tag, self.root, err)
             raise
@@ -802,18 +818,42 @@ class CheckpointManager:
             where = f"the local tiers or {root.url}" + (f" (unreachable: {unreachable})" if unreachable else "")
             what = f"checkpoint {tag!r}" if tag is not None else "committed checkpoint"
             raise CheckpointNotFoundError(f"no {what} readable from {where}", root.url)
+        # A root copy written by an incremental drain refers to other tags'
+        # files: its data files are not the local ones, so the two copies are
+        # never mixed file by file (dcp_ext.incremental_drain).
+        apart = plan.in_root and self.group.run_on_coordinator(lambda: _root_refers(root, plan.tag))
         if plan.fetches:
             self.local.heal(plan, inventories)
         sources: list[tuple[str, Store]] = []
-        if self.local.node in plan.local_nodes | plan.healed_nodes:
+        if self.local.node in plan.local_nodes | plan.healed_nodes and not (apart and not plan.local_complete):
             sources.append(("local", self.local.checkpoints.partial_store(plan.tag)))
-        if plan.in_root:
+        if plan.in_root and not (apart and sources):
             sources.append(("root", root.partial_store(plan.tag)))
         store = TieredStore(sources)
         self.last_restore_plan = plan
         # Each node reads the files in its own tier; read-once could make a
         # rank owner of bytes only another node holds locally, so it is off.
-        reader = CheckpointReader(store.describe(), config=self.config, store=store, read_once=False)
+        reader = CheckpointReader(store.describe(), storage_options=self.storage_options, config=self.config, store=store,
+                                  read_once=False)
+        if not apart:
+            return self._resume_partial(plan.tag, model, optimizer, strict, allow_dtype_cast, reader)
+        failure: Exception | None = None
+        try:
+            result = self._resume_partial(plan.tag, model, optimizer, strict, allow_dtype_cast, reader)
+        except Exception as err:  # noqa: BLE001 - decided on every rank alike below
+            failure = err
+        damaged = self.group.all_gather(isinstance(failure, (CheckpointCorruptError, CheckpointNotFoundError))
+                                        and sources[0][0] == "local")
+        if not any(damaged):
+            if failure is not None:
+                raise failure
+            return result
+        # A damaged (or vanished) local copy: the whole tag again from the root.
+        log.warning("the local copy of %s cannot be read (%s); loading it from %s", plan.tag,
+                    failure or "on another node", root.url)
+        store = TieredStore([("root", root.partial_store(plan.tag))])
+        reader = CheckpointReader(store.describe(), storage_options=self.storage_options, config=self.config, store=store,
+                                  read_once=False)
         return self._resume_partial(plan.tag, model, optimizer, strict, allow_dtype_cast, reader)
 
     def _newest_or_raise(self) -> str:
@@ -1150,6 +1190,16 @@ _NO_MODEL = (
     "{call} needs the model: pass model=, or call dcp_ext.register_model(model, optimizer) once on every "
     "rank after sharding it (the SageMaker library finds its DistributedModel the same way)"
 )
+
+
+def _root_refers(root: CheckpointRoot, tag: str) -> bool:
+    """(coordinator) Whether the root's copy of ``tag`` refers to other
+    checkpoints' files (an incremental drain's): ``False`` if unreadable."""
+    store = root.partial_store(tag)
+    try:
+        return refers_elsewhere(store.read_file(METADATA_FILE), store.describe(METADATA_FILE))
+    except (DcpExtError, OSError):
+        return False
 
 
 def _read_optional(store: Store, name: str) -> bytes | None:

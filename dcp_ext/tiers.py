@@ -19,7 +19,10 @@ tiered save goes there first:
    node's share of the data files to ``ROOT/{tag}_partial/``, then the
    coordinator copies the small files and the metadata last (the commit),
    moves the root's ``newest`` and applies the root's retention. The copies
-   are byte for byte, so the checkpoint in the root is the same checkpoint.
+   are byte for byte, so the checkpoint in the root is the same checkpoint;
+   except with ``incremental=True``, whose drains write to the root only the
+   frames that differ from the root's newest checkpoint
+   (:mod:`dcp_ext.incremental_drain`: the local tiers keep full copies).
 
 Restore (:func:`plan_restore`) looks at every node's inventory and the root
 and picks the newest tag that can be read: from the local tiers when every
@@ -27,7 +30,10 @@ saving rank's files are on its node (or, with replicas, on the partner,
 which sends them), else from the root. Each rank then reads each file from
 its own node's copy if it has one, else from the root
 (:class:`~dcp_ext.storage.tiered.TieredStore`); checksums decide whether a
-copy is intact, and a damaged one is read again from the next source.
+copy is intact, and a damaged one is read again from the next source. A
+root copy written by an incremental drain is not the local copy's files, so
+such a tag is read wholly from the local tiers (when every saving rank's
+files are there) or wholly from the root.
 """
 
 from __future__ import annotations
@@ -38,13 +44,15 @@ import shutil
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import save_lock
 from ._failpoints import crash_point
 from .config import IOConfig
 from .errors import CheckpointNotFoundError, DcpExtError
 from .layout import DATA_SUFFIX, PARTITION_FILE, REPLICATED_KIND, USER_CONTENT_FILE, Partition, TagInfo
-from .metadata import METADATA_FILE, TORCH_METADATA_FILE, read_created
+from .incremental_drain import DrainBase, RewrittenFiles, choose_base, rewrite_files, root_document
+from .metadata import METADATA_FILE, TORCH_METADATA_FILE, decode_metadata, read_created
 from .nodes import NodeMap
 from .process_group import GroupView
 from .replicas import Transfer, replica_transfers, send_files
@@ -339,7 +347,9 @@ def drain(
     tag: str,
     group: GroupView,
     policy: RetentionPolicy | None,
-) -> None:
+    max_chain: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
     """(all ranks of ``group``) Copy the locally committed ``tag`` to the
     persistent root with the usual commit protocol.
 
@@ -349,6 +359,15 @@ def drain(
     ``newest`` at ``tag`` unless the root already has a newer one, and
     applies ``policy`` there. On any failure the root's ``newest`` is not
     moved and every rank raises the same error.
+
+    With ``max_chain`` (incremental managers) the drain writes to the root
+    only the frames that differ from the root's newest checkpoint, and the
+    root's metadata refers to that checkpoint's files for the others
+    (:mod:`dcp_ext.incremental_drain`); without a usable base it copies
+    byte for byte.
+
+    Returns:
+        Bytes this rank wrote to the root's data files.
     """
     target = persistent.partial_store(tag)
     lock = save_lock.SaveLock(target, uuid.uuid4().hex)
@@ -361,20 +380,34 @@ def drain(
         lock.acquire()
 
     group.run_on_coordinator(take_lock)
+    written = 0
     try:
         error: str | None = None
         local = tier.checkpoints.partial_store(tag)
+        where = local.describe(METADATA_FILE)
+        base = DrainBase()
+        if max_chain is not None:
+            base = group.run_on_coordinator(
+                lambda: choose_base(persistent, tag, local.read_file(METADATA_FILE), where, max_chain))
+        share_of: RewrittenFiles | None = None
         try:
             partition = Partition.from_json(local.read_file(PARTITION_FILE), local.describe(PARTITION_FILE))
             node_ranks = set(tier.nodes.ranks_on(tier.node))
             mine = sorted(f for r in partition.ranks if r.rank in node_ranks for f in r.files)
             share = tier.nodes.ranks_on(tier.node).index(group.rank)
-            for name in mine[share::len(node_ranks)]:
-                copy_file(local, target, name)
-                crash_point("mid_drain")
+            if base.tag is None:
+                for name in mine[share::len(node_ranks)]:
+                    written += copy_file(local, target, name)
+                    crash_point("mid_drain")
+            else:
+                decoded = decode_metadata(local.read_file(METADATA_FILE), where)
+                share_of = rewrite_files(local, target, mine[share::len(node_ranks)], decoded, base, persistent,
+                                         persistent.config, storage_options or {})
+                written = share_of.written
         except DcpExtError as err:
             error = f"rank {group.rank}: {err}"
         raise_if_any(group, error, f"copying {tag!r} to {persistent.url}")
+        shares = group.all_gather(share_of) if base.tag is not None else []
         crash_point("before_drain_commit")
 
         def commit() -> None:
@@ -385,7 +418,15 @@ def drain(
                 except CheckpointNotFoundError:
                     if name == METADATA_FILE:
                         raise
+            if base.tag is not None:
+                # The root's copy refers to the base's files: its own document, and no torch
+                # .metadata (it would describe the local files' layout).
+                files.pop(TORCH_METADATA_FILE, None)
+                decoded = decode_metadata(files[METADATA_FILE], where)
+                files[METADATA_FILE] = root_document(
+                    decoded, [s for s in shares if s is not None], base, persistent, target.describe(METADATA_FILE))
             write_commit_files(target, files)
+            lock.release()  # committed: as after a save's commit, no lock outlives a kill during retention
             created = read_created(files[METADATA_FILE][:_HEAD_BYTES]) or 0.0
             newest = persistent.newest_record()
             newer = [t for t in persistent.committed() if t.tag == newest and t.committed_at > created]
@@ -402,6 +443,7 @@ def drain(
     finally:
         if group.is_coordinator:
             lock.release()
+    return written
 
 
 # -- choosing what to restore ---------------------------------------------------------

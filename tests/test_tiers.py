@@ -89,6 +89,29 @@ def test_local_saves_drains_and_restores_from_the_fastest_intact_copy(tmp_path: 
         assert report["replica_fetches"] == 4 + len(shared) and report["healed_has_metadata"]
         # Both nodes wiped: the persisted p1, all from the root.
         assert "local" not in report["restore_both_wiped"] and report["restore_both_wiped"]["root"] > 0
+    # Incremental with the tiers (zstd, S3 root, persist_every=2, KeepLast(2) in the root).
+    inc = r0["incremental"]
+    drained = inc["drained_bytes"]
+    print("bytes written to the root per persisted save:", drained)
+    # i2 wrote every frame; i4 and i6 only the trained layers' frames (and the small items).
+    assert drained["i4"] < 0.5 * drained["i2"] and drained["i6"] < 0.5 * drained["i2"], drained
+    assert inc["root_tags"] == ["i4", "i6"] and inc["root_newest"] == "i6", inc
+    # i2 is deleted by retention but its frozen frames are used: retired, not gone.
+    assert inc["retired"] == ["i2"] and inc["root_dirs"] == ["i2_partial", "i4_partial", "i6_partial"], inc
+    assert inc["problems"] == {"missing": [], "unused": []}, inc["problems"]
+    for tag, (base, chain) in {"i4": ("i2", 1), "i6": ("i4", 2)}.items():
+        section = inc["sections"][tag]
+        assert section[:2] == (base, chain) and section[2], (tag, section)
+        assert all(name.startswith("../i2_partial/") for name in section[2]), (tag, section)
+    for report in reports:
+        mine = report["incremental"]
+        assert mine["local_tags"] == ["i6_partial", "i7_partial"], mine["local_tags"]  # keep_local=2
+        # The local tiers hold full copies: i7 and i6 read locally, no byte from the root.
+        for tag in ("i7", "i6"):
+            assert mine[f"restore_{tag}"]["local"] > 0 and "root" not in mine[f"restore_{tag}"], mine
+        # A damaged local copy (node 0) or a wiped node: the whole tag from the root, on every rank.
+        for case in ("restore_damaged", "restore_wiped"):
+            assert "local" not in mine[case] and mine[case]["root"] > 0, (case, mine[case])
 
 
 def test_one_process_tiers_ls_and_verify(tmp_path: Path, capsys) -> None:
@@ -148,6 +171,72 @@ def test_one_process_tiers_ls_and_verify(tmp_path: Path, capsys) -> None:
         dcp_ext.CheckpointManager(tight_root, local_tier="s3://bucket/local")
 
 
+@pytest.mark.parametrize("backend", ["local", "fsspec"])
+def test_one_process_incremental_tiers(tmp_path: Path, backend: str) -> None:
+    """One process, uncompressed, a local or an fsspec (memory://) root: a
+    tiered incremental manager keeps full copies locally and drains only
+    changed frames; the drained tags verify, load bit-exact from the root
+    alone, and compact; a save that does not fit the tier goes straight to
+    the root, incremental too."""
+    import torch
+
+    import dcp_ext
+    from tests.support.tier_workers import _root_data_bytes, root_problems
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+    model[0].requires_grad_(False)  # the frozen base: 1 MiB, one frame
+    optim = torch.optim.Adam(model[1].parameters())
+    root = str(tmp_path / "root") if backend == "local" else f"memory://dcp-ext-inc-{uuid.uuid4().hex[:8]}"
+    local = tmp_path / "local"
+    expected: dict[str, dict[str, torch.Tensor]] = {}
+
+    def data_bytes(tag: str) -> int:
+        return _root_data_bytes(dcp_ext.CheckpointRoot(root), tag)
+
+    with dcp_ext.CheckpointManager(root, local_tier=local, persist_every=2, keep_local=1, incremental=True,
+                                   retention=dcp_ext.KeepLast(2)) as manager:
+        for step in range(1, 7):
+            model(torch.randn(4, 512)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            manager.save(f"s{step}", model, optim)
+            expected[f"s{step}"] = {k: v.clone() for k, v in model.state_dict().items()}
+            manager.wait_for_persist()
+        # s2 wrote every frame; s4 and s6 the trained layer (and Adam's state) only.
+        assert data_bytes("s4") < 0.1 * data_bytes("s2") and data_bytes("s6") < 0.1 * data_bytes("s2")
+        assert manager.tags() == ["s4", "s6"] and manager.checkpoints.retired_tags() == ["s2"]
+        assert sorted(p.name for p in local.iterdir() if p.is_dir()) == ["s6_partial"]  # keep_local=1
+        assert root_problems(manager.checkpoints) == {"missing": [], "unused": []}
+        for tag in ("s4", "s6"):
+            assert dcp_ext.verify(f"{root}/{tag}_partial").ok, tag
+            fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+            dcp_ext.CheckpointManager(root).resume(fresh, tag=tag)
+            assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected[tag].items()), tag
+        # From the local tier: the full copy, no byte from the root.
+        fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+        assert manager.resume(fresh).tag == "s6"
+        assert "root" not in manager.last_reader.store.bytes_by_source()  # the root copy is not mixed in
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected["s6"].items())
+        # compact makes s4 self-contained; s6 still refers to s2's files, which stay.
+        assert manager.compact("s4").changed
+        assert root_problems(manager.checkpoints) == {"missing": [], "unused": []}
+
+    # A tier with no room: the save goes straight to the root, incremental on the root's newest.
+    with dcp_ext.CheckpointManager(root, local_tier=tmp_path / "tight", local_tier_bytes=4096, incremental=True,
+                                   retention=dcp_ext.KeepLast(2)) as tight:
+        with pytest.raises(dcp_ext.StorageFullError):
+            tight.save("s7", model, optim)
+        section = dcp_ext.metadata.read_incremental_section(
+            tight.checkpoints.partial_store("s7").read_file(dcp_ext.metadata.METADATA_FILE), "s7")
+        assert section is not None and section.base == "s6" and section.references, section
+        assert data_bytes("s7") < 0.1 * data_bytes("s4")
+        fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+        assert tight.resume(fresh).tag == "s7"
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+        assert root_problems(tight.checkpoints) == {"missing": [], "unused": []}
+
+
 def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
     """Real 2-rank, 2-node jobs killed while writing the local tier's data,
     during the local commit, replication and the drain, and at two random
@@ -155,6 +244,48 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
     drain committed and loads bit-exact here (one process), and the next job
     resumes bit-exact: the killed tag itself once it had committed in both
     local tiers (after a random kill: the previous tag or the killed one)."""
+    # (crash, committed in both local tiers before the kill, drained); None:
+    # a kill at a random moment, either outcome (the next job tells which).
+    trials = [("none", True, True), ("0:mid_data", False, False), ("1:mid_local_commit", False, False),
+              ("0:mid_replication", True, False), ("1:mid_drain", True, False), ("all:before_drain_commit", True, False),
+              ("1:random:0.04", None, None), ("0:random:0.07", None, None), ("none", True, True)]
+    root, persisted, _ = _killed_tiered_jobs(tmp_path, trials, incremental=False)
+    # The last clean drain removed what the killed drains left in the root.
+    kept = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert kept == sorted(f"{tag}_partial" for tag in persisted)
+
+
+def test_killed_incremental_drains_keep_the_root_loadable(tmp_path: Path) -> None:
+    """The same jobs with an incremental manager (full local copies, drains
+    that write only the changed frames, KeepLast(2) in the root, every tag
+    kept locally), killed in
+    an incremental drain, during the root's retention
+    (which retires the base whose frames kept tags use) and at a random
+    moment: after each, every committed tag of the root loads bit-exact and
+    no file a committed tag refers to is missing; after the last clean
+    drain no data file is left that no committed tag uses."""
+    import dcp_ext
+    from tests.support.tier_workers import root_problems
+
+    trials = [("none", True, True), ("none", True, True), ("1:mid_drain", True, False),
+              ("0:mid_retention", True, True), ("1:random:0.08", None, None), ("none", True, True)]
+    root, persisted, chains = _killed_tiered_jobs(tmp_path, trials, incremental=True)
+    checkpoints = dcp_ext.CheckpointRoot(str(root))
+    assert [t.tag for t in checkpoints.committed()] == persisted[-2:], persisted
+    assert root_problems(checkpoints) == {"missing": [], "unused": []}
+    # step2 and step4 (killed in its retention) wrote only the changed frames; later
+    # drains build on the previous persisted tag or restart the chain (restart_reason).
+    assert chains["step1"] == (None, 0) and chains["step2"] == ("step1", 1), chains
+    assert chains["step4"] == ("step2", 2), chains
+    for before, tag in zip(persisted, persisted[1:]):
+        assert chains[tag][1] == 0 or chains[tag][0] == before, chains
+    assert not any(checkpoints.partial_store(t).exists(".dcp_ext.saving") for t in checkpoints.partial_tags())
+
+
+def _killed_tiered_jobs(tmp_path: Path, trials: list[tuple[str, bool | None, bool | None]],
+                        incremental: bool) -> tuple[Path, list[str], dict[str, tuple[str | None, int]]]:
+    """Run ``tier_crash_job`` once per trial, checking after each; the root, the
+    persisted tags, and (incremental) the base and chain of each as drained."""
     import subprocess
     import sys
 
@@ -163,20 +294,18 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
     import dcp_ext
     from tests.support import REPO
     from tests.support.crash_job import make_model
+    from tests.support.tier_workers import root_problems
 
     root, local = tmp_path / "root", tmp_path / "local"
-    # (crash, committed in both local tiers before the kill, drained); None:
-    # a kill at a random moment, either outcome (the next job tells which).
-    trials = [("none", True, True), ("0:mid_data", False, False), ("1:mid_local_commit", False, False),
-              ("0:mid_replication", True, False), ("1:mid_drain", True, False), ("all:before_drain_commit", True, False),
-              ("1:random:0.04", None, None), ("0:random:0.07", None, None), ("none", True, True)]
     log: list[str] = []
     newest_local: set[str] = set()  # what the next job may resume (one tag, or two after a random kill)
     drained = None
     persisted: list[str] = []
+    chains: dict[str, tuple[str | None, int]] = {}
     for step, (crash, local_commit, drains) in enumerate(trials, start=1):
         args = [sys.executable, "-m", "tests.support.tier_crash_job", str(root), str(local), str(step), crash]
-        run = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=180)
+        run = subprocess.run(args + (["incremental"] if incremental else []), cwd=REPO, capture_output=True,
+                             text=True, timeout=180)
         log.append(f"step {step} {crash}: exit {run.returncode} {run.stdout.strip()!r}")
         resumed = [line.split() for line in run.stdout.splitlines() if line.startswith("RESUMED")]
         if newest_local:
@@ -193,17 +322,23 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
         if drains or (drains is None and persistent.newest() == f"step{step}"):
             drained = f"step{step}"
             persisted.append(drained)
+            if incremental:
+                section = dcp_ext.metadata.read_incremental_section(
+                    persistent.partial_store(drained).read_file(dcp_ext.metadata.METADATA_FILE), drained)
+                assert section is not None
+                chains[drained] = (section.base, section.chain)
         assert persistent.newest() == drained, "\n".join(log)
         assert f"step{step}" in [t.tag for t in persistent.committed()] if drains else True
-        if drained is not None:
-            model = make_model(0)
-            dcp_ext.CheckpointManager(root).resume(model, tag=drained)
-            expected = make_model(int(drained.removeprefix("step"))).state_dict()
-            assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), drained
-    # The last clean drain removed what the killed drains left in the root.
+        # Every committed tag of the root (the newest at least) loads bit-exact from the root alone.
+        for tag in [t.tag for t in persistent.committed()] if incremental else [drained] if drained else []:
+            model = make_model(0, incremental)
+            dcp_ext.CheckpointManager(root).resume(model, tag=tag)
+            expected = make_model(int(tag.removeprefix("step")), incremental).state_dict()
+            assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), (tag, log)
+        if incremental:
+            assert root_problems(persistent)["missing"] == [], "\n".join(log)
     print("\n".join(log))
-    kept = sorted(p.name for p in root.iterdir() if p.is_dir())
-    assert kept == sorted(f"{tag}_partial" for tag in persisted), "\n".join(log)
+    return root, persisted, chains
 
 
 def test_a_full_file_system(tmp_path: Path) -> None:

@@ -267,6 +267,7 @@ def encode_metadata(
     world_size: int,
     version: int = FORMAT_VERSION,
     incremental: dict[str, Any] | None = None,
+    created: float | None = None,
 ) -> bytes:
     """Serialize ``metadata`` and where its items live as dcp_ext's JSON.
 
@@ -280,13 +281,16 @@ def encode_metadata(
         incremental: An incremental save's section (``base``, ``chain``,
             ``references``: see :mod:`dcp_ext.incremental`); the document is
             then version 4 (version 3 with this section).
+        created: The commit time to record (default: now). A copy of a
+            checkpoint written elsewhere first (a tiered save's drain)
+            keeps the time of the original save.
     """
     if incremental is not None:
         if version != 3:
             raise ValueError("incremental saves write metadata version 3 (with an incremental section)")
-        return _encode_v3(metadata, items, world_size, incremental)
+        return _encode_v3(metadata, items, world_size, incremental, created)
     if version == 3:
-        return _encode_v3(metadata, items, world_size)
+        return _encode_v3(metadata, items, world_size, created=created)
     if version != 2:
         raise ValueError(f"dcp_ext writes metadata versions 2 and 3, not {version!r}")
     state_dict: dict[str, Any] = {}
@@ -322,12 +326,12 @@ def encode_metadata(
             }
         )
         files[item.relative_path] = max(files.get(item.relative_path, 0), item.offset + item.length)
-    document = _header(metadata, world_size, 2)
+    document = _header(metadata, world_size, 2, created)
     document.update({"state_dict": state_dict, "items": records, "files": files})
     return seal(document)
 
 
-def _header(metadata: Metadata, world_size: int, version: int) -> dict[str, Any]:
+def _header(metadata: Metadata, world_size: int, version: int, created: float | None = None) -> dict[str, Any]:
     """The document's leading fields (``created`` among the first: see ``read_created``)."""
     storage_meta = metadata.storage_meta
     return {
@@ -336,7 +340,7 @@ def _header(metadata: Metadata, world_size: int, version: int) -> dict[str, Any]
         "dcp_version": DCP_VERSION,
         "torch_version": torch.__version__.split("+")[0],
         "byteorder": "little",
-        "created": time.time(),
+        "created": time.time() if created is None else created,
         "world_size": world_size,
         "storage_meta": None
         if storage_meta is None
@@ -354,7 +358,7 @@ def _header(metadata: Metadata, world_size: int, version: int) -> dict[str, Any]
 
 def _encode_v3(
     metadata: Metadata, items: Mapping[MetadataIndex, StoredItem], world_size: int,
-    incremental: dict[str, Any] | None = None,
+    incremental: dict[str, Any] | None = None, created: float | None = None,
 ) -> bytes:
     """Version 3: a chunk table (:mod:`~dcp_ext.metadata.chunk_table`) and, per file, its frame index."""
     from ..write_results import StoredColumns
@@ -377,7 +381,7 @@ def _encode_v3(
         else:
             state_dict[fqn] = {"kind": "bytes", "table": table.add(None, None, stored.rows[a:b])}
     chunk_table, table_codec, raw_bytes = table.finish()
-    document = _header(metadata, world_size, 3 if incremental is None else INCREMENTAL_VERSION)
+    document = _header(metadata, world_size, 3 if incremental is None else INCREMENTAL_VERSION, created)
     if incremental is not None:
         document["incremental"] = incremental
     document.update({

@@ -1,14 +1,18 @@
 """A 2-rank, 2-node tiered training job that first resumes, then saves one checkpoint.
 
-``python -m tests.support.tier_crash_job ROOT LOCAL_BASE STEP CRASH`` (from
-the repository root): each rank is its own node (``DCP_EXT_NODE_RANK`` =
+``python -m tests.support.tier_crash_job ROOT LOCAL_BASE STEP CRASH [incremental]``
+(from the repository root): each rank is its own node (``DCP_EXT_NODE_RANK`` =
 rank, local tier ``LOCAL_BASE/node{rank}``); the manager keeps 2 tags per
 local tier, replicates to the partner node and drains every save to ROOT.
 The job first resumes the newest readable tag (if any) into a model with
 other weights and prints ``RESUMED {tag} {exact}`` (rank 0; ``exact``: every
 tensor equals the weights of that step), then, unless STEP is 0, saves
 ``step{STEP}`` with CRASH armed (see tests/support/crash_job.py) and waits
-for its drain.
+for its drain. With ``incremental``: an incremental manager (full local
+copies, drains that write only the changed frames) keeping 2 tags in the
+root and every tag in the local tiers (so that the crash point
+``mid_retention`` is reached in the root's retention only), and the partly
+frozen model of ``make_model(step, incremental=True)``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import sys
 from tests.support.crash_job import _arm, make_model
 
 
-def job(rank: int, world_size: int, root: str, local_base: str, step: int, crash: str) -> None:
+def job(rank: int, world_size: int, root: str, local_base: str, step: int, crash: str,
+        incremental: bool = False) -> None:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -29,15 +34,17 @@ def job(rank: int, world_size: int, root: str, local_base: str, step: int, crash
     os.environ[dcp_ext.nodes.NODE_RANK_ENV] = str(rank)
     mesh = init_device_mesh("cpu", (world_size,))
     manager = dcp_ext.CheckpointManager(root, local_tier=os.path.join(local_base, f"node{rank}"),
-                                        persist_every=1, keep_local=2, replicas=1)
-    probe = make_model(10_000 + step)
+                                        persist_every=1, keep_local=None if incremental else 2, replicas=1,
+                                        incremental=incremental,
+                                        retention=dcp_ext.KeepLast(2) if incremental else None)
+    probe = make_model(10_000 + step, incremental)
     fully_shard(probe, mesh=mesh)
     try:
         result = manager.resume(probe)
     except dcp_ext.CheckpointNotFoundError:
         result = None
     if result is not None:
-        expected = make_model(int(result.tag.removeprefix("step"))).state_dict()
+        expected = make_model(int(result.tag.removeprefix("step")), incremental).state_dict()
         exact = all(torch.equal(v.full_tensor(), expected[k]) for k, v in probe.state_dict().items())
         exact = exact and result.user_content == {"step": int(result.tag.removeprefix("step"))}
         if rank == 0:
@@ -45,7 +52,7 @@ def job(rank: int, world_size: int, root: str, local_base: str, step: int, crash
     if step == 0:
         manager.close()
         return
-    model = make_model(step)
+    model = make_model(step, incremental)
     fully_shard(model, mesh=mesh)
     _arm(rank, crash)
     manager.save(f"step{step}", model, user_content={"step": step})
@@ -63,4 +70,5 @@ if __name__ == "__main__":
     # group, so a kill of "all" (killpg) still takes the job and both ranks.
     dist.START_METHOD = "forkserver"
 
-    run_world(2, job, sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], timeout=120.0)
+    run_world(2, job, sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:] == ["incremental"],
+              timeout=120.0)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import dcp_ext
 from dcp_ext.layout import partial_dir
-from dcp_ext.metadata import METADATA_FILE
+from dcp_ext.metadata import METADATA_FILE, read_incremental_section
 from tests.support.async_workers import _snapshot, _train_on
 from tests.support.compare import assert_same_state
 from tests.support.dist_workers import app_state, local_leaves, make_fsdp
@@ -206,7 +206,127 @@ def tier_suite(rank: int, world_size: int, root: str, local_base: str, options: 
     assert_same_state(expected_p1, got, "restore of p1 from the root after both nodes were wiped")
     report["restore_both_wiped"] = by_source
     replicated.close()
+
+    # 8. Incremental with the tiers (zstd, S3 root): full local copies,
+    #    drains that write only the frames that differ from the root's newest.
+    report["incremental"] = _incremental_tiers(rank, world_size, root, local_base, options)
     return report
+
+
+def _train_tail(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    """A training step that leaves the first layer (and its Adam state) as it
+    is, a frozen base, and changes every other tensor in place."""
+    frozen = {id(p) for p in model[0].parameters()}
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) not in frozen:
+                param.add_(1.0)
+    for param, state in optim.state.items():
+        if id(param) in frozen:
+            continue
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                value.add_(1.0)
+
+
+def root_problems(checkpoints: dcp_ext.CheckpointRoot) -> dict[str, list[str]]:
+    """What is wrong with a root's data files (any backend): files a committed
+    tag uses (its own or referred to) that are missing, and data files that no
+    committed tag uses."""
+    from dcp_ext.metadata import decode_metadata
+    from dcp_ext.metadata.document import split_reference
+
+    used: set[tuple[str, str]] = set()
+    for info in checkpoints.committed():
+        store = checkpoints.partial_store(info.tag)
+        decoded = decode_metadata(store.read_file(METADATA_FILE), store.describe(METADATA_FILE))
+        used |= {(partial_dir(info.tag), name) for name in decoded.files}
+        if decoded.incremental is not None:
+            used |= {split_reference(name, info.tag) for name in decoded.incremental.references}
+    present = {(partial_dir(tag), name) for tag in checkpoints.partial_tags()
+               for name in checkpoints.partial_store(tag).list_tree() if name.endswith(".distcp")}
+    return {"missing": sorted("/".join(p) for p in used - present),
+            "unused": sorted("/".join(p) for p in present - used)}
+
+
+def _root_data_bytes(checkpoints: dcp_ext.CheckpointRoot, tag: str) -> int:
+    store = checkpoints.partial_store(tag)
+    return sum(store.size(name) for name in store.list_tree() if name.endswith(".distcp"))
+
+
+def _incremental_tiers(rank: int, world_size: int, root: str, local_base: str,
+                       options: dict[str, Any]) -> dict[str, Any]:
+    """Saves i1..i7 of a frozen first layer and a trained rest, every 2nd
+    drained (i2 writes every frame, i4 and i6 only the changed ones), root
+    retention KeepLast(2), keep_local=2; then restores from the root alone,
+    from the local tiers, with a damaged local copy and with a wiped node."""
+    node = rank // RANKS_PER_NODE
+    out: dict[str, Any] = {"drained_bytes": {}}
+    base, inc_root = os.path.join(local_base, "inc"), root.rstrip("/") + "-incremental"
+    manager = _manager(inc_root, base, node, storage_options=options, persist_every=2, keep_local=2,
+                       incremental=True, compression="zstd", retention=dcp_ext.KeepLast(2))
+    model, optim = make_fsdp(world_size, seed=7)
+    expected: dict[str, dict[str, Any]] = {}
+    for step in range(1, 8):
+        _train_tail(model, optim)
+        handle = manager.save(f"i{step}", model, optim, async_save=step % 3 == 0, user_content={"step": step})
+        if handle is not None:
+            handle.staging_completion.result()
+        expected[f"i{step}"] = _snapshot(model, optim)
+        if handle is not None:
+            handle.result()
+        manager.wait_for_persist()
+        if step % 2 == 0 and rank == 0:
+            out["drained_bytes"][f"i{step}"] = _root_data_bytes(manager.checkpoints, f"i{step}")
+    dist.barrier()
+    checkpoints = manager.checkpoints
+    out["root_tags"] = manager.tags()
+    out["root_newest"] = manager.read_newest()
+    out["root_dirs"] = sorted(partial_dir(t) for t in checkpoints.partial_tags())
+    out["retired"] = checkpoints.retired_tags()
+    out["problems"] = root_problems(checkpoints)
+    sections = {}
+    for tag in out["root_tags"]:
+        store = checkpoints.partial_store(tag)
+        section = read_incremental_section(store.read_file(METADATA_FILE), tag)
+        sections[tag] = None if section is None else (section.base, section.chain, sorted(section.references))
+    out["sections"] = sections
+    mine = Path(node_dir(base, node))
+    out["local_tags"] = sorted(p.name for p in mine.iterdir() if p.is_dir())
+
+    # Every kept tag, bit-exact from the root alone (a manager without a local tier).
+    plain = dcp_ext.CheckpointManager(inc_root, storage_options=options)
+    for tag in out["root_tags"]:
+        restored, optimizer = make_fsdp(world_size, seed=98)
+        assert plain.resume(restored, optimizer, tag=tag).user_content == {"step": int(tag[1:])}
+        assert_same_state(expected[tag], local_leaves(app_state(restored, optimizer)), f"{tag} from the root alone")
+    # From the local tiers: the newest (i7, local only) and the persisted i6, no byte from the root.
+    for tag in ("i7", "i6"):
+        got_tag, got, by_source = _restore(manager, world_size, tag=tag)
+        assert_same_state(expected[tag], got, f"{tag} from the local tiers")
+        out[f"restore_{tag}"] = by_source
+    # A damaged local copy of i6 on node 0: the whole tag again from the root.
+    dist.barrier()
+    if rank == 0:
+        damaged = Path(node_dir(base, 0)) / partial_dir("i6") / "model_rank0.distcp"
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 3] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+    dist.barrier()
+    got_tag, got, by_source = _restore(manager, world_size, tag="i6")
+    assert_same_state(expected["i6"], got, "i6 with a damaged local copy")
+    out["restore_damaged"] = by_source
+    # Node 1's tier wiped: the newest readable is i6, every rank reads it from the root.
+    dist.barrier()
+    if rank == 2:
+        shutil.rmtree(node_dir(base, 1))
+    dist.barrier()
+    got_tag, got, by_source = _restore(manager, world_size)
+    assert got_tag == "i6", got_tag
+    assert_same_state(expected["i6"], got, "i6 after node 1's tier was wiped")
+    out["restore_wiped"] = by_source
+    manager.close()
+    return out
 
 
 def reshard_restore(rank: int, world_size: int, root: str, local_base: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -326,16 +326,11 @@ class CheckpointReader(StorageReader):
             CheckpointCorruptError: The metadata is damaged or hostile.
         """
         self.last_error = None
-        # The collector stays paused through DCP's planning and plan exchange
-        # until read_data returns (dcp.load calls this first, read_data last).
-        self._end_gc_lease()
-        self._gc_lease = GcLease(_GC_LEASE_SECONDS)
         try:
-            metadata = self._read_metadata()
-        except BaseException as err:
-            self._end_gc_lease()
-            if isinstance(err, DcpExtError):
-                self.last_error = err
+            with gc_paused():
+                metadata = self._read_metadata()
+        except DcpExtError as err:
+            self.last_error = err
             raise
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -452,7 +447,14 @@ class CheckpointReader(StorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """(all ranks) With read-once, tell the coordinator this rank's place
-        in the group it would exchange over."""
+        in the group it would exchange over.
+
+        From here until :meth:`read_data` returns (DCP's plan exchange, the
+        global plan, the reads) the cyclic collector is paused
+        (:class:`~dcp_ext._gc.GcLease`): only ``dcp.load`` calls this, and
+        ``read_data`` next."""
+        self._end_gc_lease()
+        self._gc_lease = GcLease(_GC_LEASE_SECONDS)
         seen = None
         if self.read_once is not False and dist.is_available() and dist.is_initialized():
             seen = GroupSeen(dist.get_rank(self.process_group), dist.get_world_size(self.process_group),
@@ -907,8 +909,8 @@ class CheckpointReader(StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-#: The longest the collector stays paused between ``read_metadata`` and the
-#: end of ``read_data`` (a load that failed in between never reaches it).
+#: The longest the collector stays paused between ``prepare_local_plan`` and
+#: the end of ``read_data`` (a load that failed in between never reaches it).
 _GC_LEASE_SECONDS = 120.0
 
 

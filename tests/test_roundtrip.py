@@ -204,11 +204,12 @@ def test_restricted_unpickler_refuses_code(tmp_path) -> None:
     assert not marker.exists()
 
 
-def test_stock_load_pauses_the_collector_from_metadata_to_the_last_read(tmp_path) -> None:
+def test_stock_load_pauses_the_collector_from_plan_exchange_to_the_last_read(tmp_path) -> None:
     """Stock dcp.load: the cyclic collector is paused from the reader's
-    read_metadata (first) through DCP's planning to the end of read_data
-    (last), and runs again afterwards; a load that fails in between ends the
-    pause at the reader's next reset, or when the lease runs out."""
+    prepare_local_plan through DCP's plan exchange and global plan to the end
+    of read_data, and runs again afterwards; reading metadata alone leaves it
+    running; a load that fails in between ends the pause at the reader's next
+    reset, or when the lease runs out."""
     import gc
     import time
 
@@ -221,19 +222,25 @@ def test_stock_load_pauses_the_collector_from_metadata_to_the_last_read(tmp_path
     class Recording(DefaultLoadPlanner):
         fail = False
 
-        def create_local_plan(self):  # type: ignore[no-untyped-def]
+        def create_global_plan(self, global_plan):  # type: ignore[no-untyped-def]
             seen.append(gc.isenabled())
             if self.fail:
                 raise RuntimeError("planning failed")
-            return super().create_local_plan()
+            return super().create_global_plan(global_plan)
+
+        def finish_plan(self, new_plan):  # type: ignore[no-untyped-def]
+            seen.append(gc.isenabled())
+            return super().finish_plan(new_plan)
 
     state = _sample_state()
     dcp.save(state, storage_writer=CheckpointWriter(str(tmp_path / "c")))
     assert gc.isenabled()
     reader = CheckpointReader(str(tmp_path / "c"))
+    reader.read_metadata()  # inspecting a checkpoint pauses nothing afterwards
+    assert gc.isenabled()
     dest = zeros_like_state(state)
     dcp.load(dest, storage_reader=reader, planner=Recording())
-    assert seen == [False] and gc.isenabled()
+    assert seen == [False, False] and gc.isenabled()
     assert_same_state(dest, state)
 
     failing = Recording()
@@ -241,7 +248,7 @@ def test_stock_load_pauses_the_collector_from_metadata_to_the_last_read(tmp_path
     with pytest.raises(BaseException) as failed:  # DCP's CheckpointException (a BaseException)
         dcp.load(zeros_like_state(state), storage_reader=reader, planner=failing)
     assert "planning failed" in repr(getattr(failed.value, "failures", failed.value))
-    assert seen == [False, False] and not gc.isenabled()  # read_data never came
+    assert seen == [False, False, False] and not gc.isenabled()  # read_data never came
     reader.reset()
     assert gc.isenabled()
 

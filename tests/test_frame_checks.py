@@ -1,7 +1,8 @@
 """Frame checks on every read path of FrameReader: frames read straight into
 their destination, frames read through scratch (a run that cuts them), and
-compressed frames (checked on the reading thread before any decoder sees
-them). A damaged frame is caught on each; intact ones are all counted."""
+compressed frames (checked before any decoder sees them; the decoder is
+observed through a recording wrapper that calls the real one). A damaged
+frame is caught on each; intact ones are all counted."""
 
 from __future__ import annotations
 

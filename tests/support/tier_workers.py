@@ -27,6 +27,14 @@ from tests.support.reshard_workers import full_state
 RANKS_PER_NODE = 2
 
 
+def _damage_local_copy(local_base: str, tag: str, part: int) -> None:
+    """Flip one byte (at 1/``part`` of its length) of rank 0's model file of
+    ``tag`` in node 0's local tier."""
+    damaged = Path(node_dir(local_base, 0)) / partial_dir(tag) / "model_rank0.distcp"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // part] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+
 def node_dir(base: str, node: int) -> str:
     return os.path.join(base, f"node{node}")
 
@@ -105,10 +113,7 @@ def tier_suite(rank: int, world_size: int, root: str, local_base: str, options: 
     #    on node 0; rank 0 reads that file from the root instead.
     dist.barrier()
     if rank == 0:
-        damaged = Path(node_dir(local_base, 0)) / partial_dir("s2") / "model_rank0.distcp"
-        data = bytearray(damaged.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        damaged.write_bytes(bytes(data))
+        _damage_local_copy(local_base, "s2", 2)
     dist.barrier()
     tag, got, by_source = _restore(manager, world_size, tag="s2")
     assert_same_state(expected_s2, got, "restore of s2 with a damaged local file")
@@ -308,10 +313,7 @@ def _incremental_tiers(rank: int, world_size: int, root: str, local_base: str,
     # A damaged local copy of i6 on node 0: the whole tag again from the root.
     dist.barrier()
     if rank == 0:
-        damaged = Path(node_dir(base, 0)) / partial_dir("i6") / "model_rank0.distcp"
-        data = bytearray(damaged.read_bytes())
-        data[len(data) // 3] ^= 0xFF
-        damaged.write_bytes(bytes(data))
+        _damage_local_copy(base, "i6", 3)
     dist.barrier()
     got_tag, got, by_source = _restore(manager, world_size, tag="i6")
     assert_same_state(expected["i6"], got, "i6 with a damaged local copy")

@@ -8,7 +8,9 @@ local-tier directory under ``tmp_path``; the worlds run
 from __future__ import annotations
 
 import uuid
+from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -238,53 +240,99 @@ def test_one_process_incremental_tiers(tmp_path: Path, backend: str) -> None:
 
 
 def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
-    """Real 2-rank, 2-node jobs killed while writing the local tier's data,
-    during the local commit, replication and the drain, and at two random
-    moments. After each, the persistent root's newest is unchanged unless the
-    drain committed and loads bit-exact here (one process), and the next job
+    """Two sequences of real 2-rank, 2-node jobs, their k-th jobs running side
+    by side (each sequence on its own root and local tiers; checks between jobs).
+
+    Plain tiered saves, killed while writing the local tier's data, during
+    the local commit, replication and the drain, and at two random moments:
+    after each, the persistent root's newest is unchanged unless the drain
+    committed and loads bit-exact here (one process), and the next job
     resumes bit-exact: the killed tag itself once it had committed in both
-    local tiers (after a random kill: the previous tag or the killed one)."""
-    # (crash, committed in both local tiers before the kill, drained); None:
-    # a kill at a random moment, either outcome (the next job tells which).
-    trials = [("none", True, True), ("0:mid_data", False, False), ("1:mid_local_commit", False, False),
-              ("0:mid_replication", True, False), ("1:mid_drain", True, False), ("all:before_drain_commit", True, False),
-              ("1:random:0.04", None, None), ("0:random:0.07", None, None), ("none", True, True)]
-    root, persisted, _ = _killed_tiered_jobs(tmp_path, trials, incremental=False)
-    # The last clean drain removed what the killed drains left in the root.
-    kept = sorted(p.name for p in root.iterdir() if p.is_dir())
-    assert kept == sorted(f"{tag}_partial" for tag in persisted)
+    local tiers (after a random kill: the previous tag or the killed one).
 
-
-def test_killed_incremental_drains_keep_the_root_loadable(tmp_path: Path) -> None:
-    """The same jobs with an incremental manager (full local copies, drains
-    that write only the changed frames, KeepLast(2) in the root, every tag
-    kept locally), killed in
-    an incremental drain, during the root's retention
-    (which retires the base whose frames kept tags use) and at a random
-    moment: after each, every committed tag of the root loads bit-exact and
-    no file a committed tag refers to is missing; after the last clean
-    drain no data file is left that no committed tag uses."""
+    Incremental ones (full local copies, drains that write only the changed
+    frames, KeepLast(2) in the root, every tag kept locally), killed in an
+    incremental drain, during the root's retention (which retires the base
+    whose frames kept tags use) and at a random moment: after each, every
+    committed tag of the root loads bit-exact and no file a committed tag
+    refers to is missing; after the last clean drain no data file is left
+    that no committed tag uses."""
     import dcp_ext
     from tests.support.tier_workers import root_problems
 
-    trials = [("none", True, True), ("none", True, True), ("1:mid_drain", True, False),
-              ("0:mid_retention", True, True), ("1:random:0.08", None, None), ("none", True, True)]
-    root, persisted, chains = _killed_tiered_jobs(tmp_path, trials, incremental=True)
-    checkpoints = dcp_ext.CheckpointRoot(str(root))
-    assert [t.tag for t in checkpoints.committed()] == persisted[-2:], persisted
+    # (crash, committed in both local tiers before the kill, drained); None:
+    # a kill at a random moment, either outcome (the next job tells which).
+    plain = [("none", True, True), ("0:mid_data", False, False), ("1:mid_local_commit", False, False),
+             ("0:mid_replication", True, False), ("1:mid_drain", True, False), ("all:before_drain_commit", True, False),
+             ("1:random:0.04", None, None), ("0:random:0.07", None, None), ("none", True, True)]
+    incremental = [("none", True, True), ("none", True, True), ("1:mid_drain", True, False),
+                   ("0:mid_retention", True, True), ("1:random:0.08", None, None), ("none", True, True)]
+    (root, persisted, _), (incremental_root, incremental_persisted, chains) = _side_by_side(
+        _killed_tiered_jobs(tmp_path / "plain", plain, incremental=False),
+        _killed_tiered_jobs(tmp_path / "incremental", incremental, incremental=True),
+    )
+    # Plain: the last clean drain removed what the killed drains left in the root.
+    kept = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert kept == sorted(f"{tag}_partial" for tag in persisted)
+
+    # Incremental.
+    checkpoints = dcp_ext.CheckpointRoot(str(incremental_root))
+    assert [t.tag for t in checkpoints.committed()] == incremental_persisted[-2:], incremental_persisted
     assert root_problems(checkpoints) == {"missing": [], "unused": []}
     # step2 and step4 (killed in its retention) wrote only the changed frames; later
     # drains build on the previous persisted tag or restart the chain (restart_reason).
     assert chains["step1"] == (None, 0) and chains["step2"] == ("step1", 1), chains
     assert chains["step4"] == ("step2", 2), chains
-    for before, tag in zip(persisted, persisted[1:]):
+    for before, tag in zip(incremental_persisted, incremental_persisted[1:]):
         assert chains[tag][1] == 0 or chains[tag][0] == before, chains
     assert not any(checkpoints.partial_store(t).exists(".dcp_ext.saving") for t in checkpoints.partial_tags())
 
 
-def _killed_tiered_jobs(tmp_path: Path, trials: list[tuple[str, bool | None, bool | None]],
-                        incremental: bool) -> tuple[Path, list[str], dict[str, tuple[str | None, int]]]:
-    """Run ``tier_crash_job`` once per trial, checking after each; the root, the
+def _side_by_side(*sequences: Any) -> list[Any]:
+    """Drive job sequences (generators from :func:`_killed_tiered_jobs`): the
+    k-th jobs of all of them run at once, each sequence's checks run here
+    between its jobs; what each returns, in order."""
+    import subprocess
+    import tempfile
+
+    from tests.support import REPO
+
+    pending = {i: next(sequence) for i, sequence in enumerate(sequences)}
+    results: dict[int, Any] = {}
+    while pending:
+        started = {}
+        for i, args in pending.items():
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            started[i] = (subprocess.Popen(args, cwd=REPO, stdout=out, stderr=err, text=True), out, err)
+        finished = {}
+        try:
+            for i, (job, out, err) in started.items():
+                job.wait(timeout=180)
+                out.seek(0)
+                err.seek(0)
+                finished[i] = (job.returncode, out.read(), err.read())
+        finally:
+            for job, out, err in started.values():
+                if job.poll() is None:
+                    job.kill()
+                    job.wait()
+                out.close()
+                err.close()
+        pending = {}
+        for i, result in finished.items():
+            try:
+                pending[i] = sequences[i].send(result)
+            except StopIteration as done:
+                results[i] = done.value
+    return [results[i] for i in range(len(sequences))]
+
+
+def _killed_tiered_jobs(
+    tmp_path: Path, trials: list[tuple[str, bool | None, bool | None]], incremental: bool
+) -> Generator[list[str], tuple[int, str, str], tuple[Path, list[str], dict[str, tuple[str | None, int]]]]:
+    """A sequence of ``tier_crash_job`` runs, one per trial, checked after each:
+    yields each job's command and takes back its ``(returncode, stdout,
+    stderr)`` (:func:`_side_by_side` runs them); returns the root, the
     persisted tags, and (incremental) the base and chain of each as drained."""
     import subprocess
     import sys
@@ -292,7 +340,6 @@ def _killed_tiered_jobs(tmp_path: Path, trials: list[tuple[str, bool | None, boo
     import torch
 
     import dcp_ext
-    from tests.support import REPO
     from tests.support.crash_job import make_model
     from tests.support.tier_workers import root_problems
 
@@ -304,8 +351,9 @@ def _killed_tiered_jobs(tmp_path: Path, trials: list[tuple[str, bool | None, boo
     chains: dict[str, tuple[str | None, int]] = {}
     for step, (crash, local_commit, drains) in enumerate(trials, start=1):
         args = [sys.executable, "-m", "tests.support.tier_crash_job", str(root), str(local), str(step), crash]
-        run = subprocess.run(args + (["incremental"] if incremental else []), cwd=REPO, capture_output=True,
-                             text=True, timeout=180)
+        args += ["incremental"] if incremental else []
+        returncode, stdout, stderr = yield args
+        run = subprocess.CompletedProcess(args, returncode, stdout, stderr)
         log.append(f"step {step} {crash}: exit {run.returncode} {run.stdout.strip()!r}")
         resumed = [line.split() for line in run.stdout.splitlines() if line.startswith("RESUMED")]
         if newest_local:

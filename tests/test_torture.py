@@ -5,38 +5,45 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.crash_torture import run_trials
-
-
-def test_killed_async_saves_keep_the_previous_newest(tmp_path: Path) -> None:
-    # The same harness with async_save=True: the job mutates every parameter
-    # right after staging_completion, and the kill lands in the background
-    # upload while the training thread waits on the handle.
-    crashes = ["none", "0:mid_data", "all:before_metadata", "0:before_newest", "none"]
-    lines: list[str] = []
-    stats = run_trials(tmp_path, 0, crashes=crashes, log=lines.append, mode="async")
-    assert stats.trials == len(crashes) and stats.kills == 3, "\n".join(lines)
-    assert stats.violations == [], "\n".join(lines)
-    assert stats.committed_despite_kill >= 1, "\n".join(lines)  # before_newest: committed, newest not moved
+from tests.support.crash_torture import run_side_by_side, trial_sequence
 
 
 def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path) -> None:
-    # Every crash point once, with incremental=True (the writer, commit and
-    # retention code of every save, plus references: max_chain=2 and a model
-    # that changes little per step, so step2 and step3 refer to step1's file),
-    # in an order that gives retention something to delete (keep 2):
-    # mid_retention dies retiring step1 (its files stay for step2 and step3);
-    # then kills in the data and metadata phases, a random-time kill of the
-    # whole job, and a clean save that must remove every leftover but keep
-    # the retired files still referred to. Every kept tag must load bit-exact
-    # after every trial. (Plain saves are crash-tested by the async test above
-    # and by bench.torture; the crash points are the same code.)
+    """Two sequences of killed 2-rank jobs, their k-th jobs side by side (each
+    on its own root; every check after every trial, in this process).
+
+    Async saves (async_save=True): the job mutates every parameter right
+    after staging_completion, and the kill lands in the background upload
+    while the training thread waits on the handle.
+
+    Every crash point once, with incremental=True (the writer, commit and
+    retention code of every save, plus references: max_chain=2 and a model
+    that changes little per step, so step2 and step3 refer to step1's file),
+    in an order that gives retention something to delete (keep 2):
+    mid_retention dies retiring step1 (its files stay for step2 and step3);
+    then kills in the data and metadata phases, a random-time kill of the
+    whole job, and a clean save that must remove every leftover but keep the
+    retired files still referred to. Every kept tag must load bit-exact after
+    every trial. (Plain sync saves are crash-tested by bench.torture; the
+    crash points are the same code.)"""
+    async_crashes = ["none", "0:mid_data", "all:before_metadata", "0:before_newest", "none"]
     crashes = [
         "none", "0:before_newest", "0:mid_retention", "1:before_data", "0:mid_data", "all:after_data",
         "0:before_metadata", "all:random:0.05", "none",
     ]
+    async_lines: list[str] = []
     lines: list[str] = []
-    stats = run_trials(tmp_path, 0, crashes=crashes, log=lines.append, mode="sync-incremental")
+    for name in ("async", "incremental"):
+        (tmp_path / name).mkdir()
+    async_stats, stats = run_side_by_side(
+        trial_sequence(tmp_path / "async", 0, crashes=async_crashes, log=async_lines.append, mode="async"),
+        trial_sequence(tmp_path / "incremental", 0, crashes=crashes, log=lines.append, mode="sync-incremental"),
+    )
+    assert async_stats.trials == len(async_crashes) and async_stats.kills == 3, "\n".join(async_lines)
+    assert async_stats.violations == [], "\n".join(async_lines)
+    # before_newest: committed, newest not moved
+    assert async_stats.committed_despite_kill >= 1, "\n".join(async_lines)
+
     # The six crash points always fire; the random-time kill may come after
     # a fast save already finished (the job then exits 0 and is checked too).
     assert stats.trials == len(crashes) and stats.armed == 7 and stats.kills in (6, 7), "\n".join(lines)

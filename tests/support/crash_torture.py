@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Collection
+from collections.abc import Collection, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,12 +192,22 @@ def choose_crash(rng: random.Random) -> str:
 
 def _run_job(root: Path, step: int, crash: str, mode: str) -> _JobOutcome:
     """Run the 2-rank job saving ``step{step}`` and wait for it (killing it if it hangs)."""
-    started = time.monotonic()
+    return _finish_job(*_start_job(root, step, crash, mode))
+
+
+def _start_job(root: Path, step: int, crash: str, mode: str) -> tuple[subprocess.Popen[bytes], float]:
+    """Start the 2-rank job saving ``step{step}``; the process and when it started."""
     job = subprocess.Popen([*JOB, str(root.resolve()), str(step), crash, mode], cwd=REPO,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    return job, time.monotonic()
+
+
+def _finish_job(job: subprocess.Popen[bytes], started: float) -> _JobOutcome:
+    """Wait for a started job, at most :data:`JOB_TIMEOUT` seconds after it
+    started (then kill its process group: it hung)."""
     hung = False
     try:
-        _, err = job.communicate(timeout=JOB_TIMEOUT)
+        _, err = job.communicate(timeout=max(1.0, JOB_TIMEOUT - (time.monotonic() - started)))
     except subprocess.TimeoutExpired:
         os.killpg(job.pid, signal.SIGKILL)
         _, err = job.communicate()
@@ -256,6 +266,37 @@ def run_trials(root: Path, trials: int, seed: int = 0, crashes: list[str] | None
     """Run ``trials`` trials (or one per entry of ``crashes``) under ``root``,
     with saves of ``mode`` (one of :data:`~tests.support.crash_job.MODES`),
     numbering steps after ``first_step``."""
+    return run_side_by_side(trial_sequence(root, trials, seed, crashes, log, mode, first_step))[0]
+
+
+def run_side_by_side(*sequences: Generator[tuple[Path, int, str, str], _JobOutcome, TortureStats]) -> list[TortureStats]:
+    """Drive several :func:`trial_sequence` s (each on its own root): the k-th
+    jobs of all of them run at once, each sequence's checks run here, in this
+    thread, between its jobs. Their stats, in order."""
+    results: dict[int, TortureStats] = {}
+    pending: dict[int, tuple[Path, int, str, str]] = {}
+    for i, sequence in enumerate(sequences):
+        try:
+            pending[i] = next(sequence)
+        except StopIteration as done:
+            results[i] = done.value
+    while pending:
+        started = {i: _start_job(*job) for i, job in pending.items()}
+        outcomes = {i: _finish_job(*run) for i, run in started.items()}
+        pending = {}
+        for i, outcome in outcomes.items():
+            try:
+                pending[i] = sequences[i].send(outcome)
+            except StopIteration as done:
+                results[i] = done.value
+    return [results[i] for i in range(len(sequences))]
+
+
+def trial_sequence(root: Path, trials: int, seed: int = 0, crashes: list[str] | None = None,
+                   log: Any = None, mode: str = "sync",
+                   first_step: int = 0) -> Generator[tuple[Path, int, str, str], _JobOutcome, TortureStats]:
+    """:func:`run_trials` as a sequence: yields each job to run as ``(root,
+    step, crash, mode)``, takes back its outcome, checks it; returns the stats."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     incremental = is_incremental(mode)
@@ -268,7 +309,7 @@ def run_trials(root: Path, trials: int, seed: int = 0, crashes: list[str] | None
         step += 1
         tag = f"step{step}"
         before = manager.tags()
-        job = _run_job(Path(root), step, crash, mode)
+        job = yield Path(root), step, crash, mode
         stats.trials += 1
         kind = crash.split(":")[1] if crash != "none" else "none"
         stats.by_crash[kind] = stats.by_crash.get(kind, 0) + 1

@@ -289,42 +289,34 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
 
 
 def _side_by_side(*sequences: Any) -> list[Any]:
-    """Drive job sequences (generators from :func:`_killed_tiered_jobs`): the
-    k-th jobs of all of them run at once, each sequence's checks run here
-    between its jobs; what each returns, in order."""
+    """Drive job sequences (generators from :func:`_killed_tiered_jobs`) with
+    :func:`tests.support.side_by_side.drive`; what each returns, in order."""
     import subprocess
     import tempfile
 
     from tests.support import REPO
+    from tests.support.side_by_side import drive
 
-    pending = {i: next(sequence) for i, sequence in enumerate(sequences)}
-    results: dict[int, Any] = {}
-    while pending:
-        started = {}
-        for i, args in pending.items():
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            started[i] = (subprocess.Popen(args, cwd=REPO, stdout=out, stderr=err, text=True), out, err)
-        finished = {}
-        try:
-            for i, (job, out, err) in started.items():
-                job.wait(timeout=180)
-                out.seek(0)
-                err.seek(0)
-                finished[i] = (job.returncode, out.read(), err.read())
-        finally:
-            for job, out, err in started.values():
-                if job.poll() is None:
-                    job.kill()
-                    job.wait()
-                out.close()
-                err.close()
-        pending = {}
-        for i, result in finished.items():
-            try:
-                pending[i] = sequences[i].send(result)
-            except StopIteration as done:
-                results[i] = done.value
-    return [results[i] for i in range(len(sequences))]
+    def start(args: list[str]) -> tuple[Any, Any, Any]:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        return subprocess.Popen(args, cwd=REPO, stdout=out, stderr=err, text=True), out, err
+
+    def finish(started: tuple[Any, Any, Any]) -> tuple[int, str, str]:
+        job, out, err = started
+        job.wait(timeout=180)
+        out.seek(0)
+        err.seek(0)
+        return job.returncode, out.read(), err.read()
+
+    def abandon(started: tuple[Any, Any, Any]) -> None:
+        job, out, err = started
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        out.close()
+        err.close()
+
+    return drive(sequences, start, finish, abandon)
 
 
 def _killed_tiered_jobs(

@@ -52,6 +52,7 @@ from dcp_ext.storage import TMP_MARK
 from tests.support import REPO
 from tests.support.compare import state_diff
 from tests.support.crash_job import KEEP, MODES, is_incremental, make_model
+from tests.support.side_by_side import drive
 
 #: The job, run as a module from the repository root.
 JOB = [sys.executable, "-m", "tests.support.crash_job"]
@@ -270,26 +271,18 @@ def run_trials(root: Path, trials: int, seed: int = 0, crashes: list[str] | None
 
 
 def run_side_by_side(*sequences: Generator[tuple[Path, int, str, str], _JobOutcome, TortureStats]) -> list[TortureStats]:
-    """Drive several :func:`trial_sequence` s (each on its own root): the k-th
-    jobs of all of them run at once, each sequence's checks run here, in this
-    thread, between its jobs. Their stats, in order."""
-    results: dict[int, TortureStats] = {}
-    pending: dict[int, tuple[Path, int, str, str]] = {}
-    for i, sequence in enumerate(sequences):
-        try:
-            pending[i] = next(sequence)
-        except StopIteration as done:
-            results[i] = done.value
-    while pending:
-        started = {i: _start_job(*job) for i, job in pending.items()}
-        outcomes = {i: _finish_job(*run) for i, run in started.items()}
-        pending = {}
-        for i, outcome in outcomes.items():
-            try:
-                pending[i] = sequences[i].send(outcome)
-            except StopIteration as done:
-                results[i] = done.value
-    return [results[i] for i in range(len(sequences))]
+    """Drive several :func:`trial_sequence` s (each on its own root) with
+    :func:`tests.support.side_by_side.drive`: the k-th jobs of all of them run
+    at once, each sequence's checks run here between its jobs. Their stats, in order."""
+    return drive(sequences, lambda job: _start_job(*job), lambda run: _finish_job(*run), _abandon_job)
+
+
+def _abandon_job(run: tuple[subprocess.Popen[bytes], float]) -> None:
+    """Kill a started job's process group if it still runs (a side-by-side job failed)."""
+    job = run[0]
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
 
 
 def trial_sequence(root: Path, trials: int, seed: int = 0, crashes: list[str] | None = None,

@@ -313,18 +313,15 @@ class CheckpointManager:
     def wait_for_persist(self) -> None:
         """(all ranks) :meth:`wait`, then wait for the drains to the persistent root (tiered saves)."""
         self.wait()
-        with self._lock:
-            last, self._last_drain = self._last_drain, None
-        if last is not None:
-            try:
-                last.result()
-            except BaseException as err:  # reported by that save's own handle
-                log.warning("the last drain to %s failed: %s", self.root, err)
+        self._wait_for_drains(forget=True)
 
-    def _wait_for_drains(self) -> None:
-        """(all ranks) Wait for the last drain to the root (its failure is its handle's)."""
+    def _wait_for_drains(self, forget: bool = False) -> None:
+        """(all ranks) Wait for the last drain to the root (its failure is its
+        handle's); ``forget``: the manager no longer tracks it afterwards."""
         with self._lock:
             last = self._last_drain
+            if forget:
+                self._last_drain = None
         if last is not None:
             try:
                 last.result()

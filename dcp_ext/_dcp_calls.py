@@ -91,6 +91,9 @@ def run_load(
         raise error from error.__cause__
     finally:
         reader.metadata_group = None
+        # A load that failed between planning and read_data left the reader's
+        # GC lease up (stock dcp.load ends it at its time limit); end it now.
+        reader.end_gc_lease()
 
 
 class AsyncSaveHandle(concurrent.futures.Future):  # type: ignore[type-arg]

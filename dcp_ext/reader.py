@@ -293,7 +293,8 @@ class CheckpointReader(StorageReader):
         """Frames verified and decoded since the last ``reset``."""
         return self._frames.stats
 
-    def _end_gc_lease(self) -> None:
+    def end_gc_lease(self) -> None:
+        """(each rank) End the GC pause that :meth:`prepare_local_plan` began, if any."""
         lease, self._gc_lease = self._gc_lease, None
         if lease is not None:
             lease.release()
@@ -301,7 +302,7 @@ class CheckpointReader(StorageReader):
     # -- StorageReader --------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """(all ranks) Start a new load, optionally from a new path."""
-        self._end_gc_lease()
+        self.end_gc_lease()
         if checkpoint_id:
             new_path = normalize_path(checkpoint_id)
             if new_path != self.path:
@@ -453,7 +454,7 @@ class CheckpointReader(StorageReader):
         global plan, the reads) the cyclic collector is paused
         (:class:`~dcp_ext._gc.GcLease`): only ``dcp.load`` calls this, and
         ``read_data`` next."""
-        self._end_gc_lease()
+        self.end_gc_lease()
         self._gc_lease = GcLease(_GC_LEASE_SECONDS)
         seen = None
         if self.read_once is not False and dist.is_available() and dist.is_initialized():
@@ -527,7 +528,7 @@ class CheckpointReader(StorageReader):
                 else:
                     self._read_all(plan, planner)
         finally:
-            self._end_gc_lease()
+            self.end_gc_lease()
         release_free_memory()
         future: Future[None] = Future()
         future.set_result(None)

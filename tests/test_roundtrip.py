@@ -208,8 +208,8 @@ def test_stock_load_pauses_the_collector_from_plan_exchange_to_the_last_read(tmp
     """Stock dcp.load: the cyclic collector is paused from the reader's
     prepare_local_plan through DCP's plan exchange and global plan to the end
     of read_data, and runs again afterwards; reading metadata alone leaves it
-    running; a load that fails in between ends the pause at the reader's next
-    reset, or when the lease runs out."""
+    running; a stock load that fails in between ends the pause at the reader's
+    next reset, or when the lease runs out; dcp_ext.load ends it on failure."""
     import gc
     import time
 
@@ -251,6 +251,11 @@ def test_stock_load_pauses_the_collector_from_plan_exchange_to_the_last_read(tmp
     assert seen == [False, False, False] and not gc.isenabled()  # read_data never came
     reader.reset()
     assert gc.isenabled()
+    # dcp_ext.load ends the pause itself when the load fails before read_data.
+    with pytest.raises(BaseException) as failed:
+        dcp_ext.load(zeros_like_state(state), tmp_path / "c", planner=failing)
+    assert "planning failed" in repr(getattr(failed.value, "failures", failed.value))
+    assert seen[-1] is False and gc.isenabled()
 
     lease = GcLease(0.2)
     assert not gc.isenabled()

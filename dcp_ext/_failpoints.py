@@ -22,6 +22,13 @@ Tiered saves (:mod:`dcp_ext.tiers`) add:
 * ``mid_drain``: a rank has copied its first file to the persistent root.
 * ``before_drain_commit``: every file is in the root; its metadata not yet written.
 
+Hugging Face exports (:mod:`dcp_ext.hf_export`) add:
+
+* ``mid_hf_file``: a rank has written a tensor into a weights file it has not
+  yet committed.
+* ``before_hf_index``: the coordinator has committed every weights file, the
+  checksum sidecar and ``config.json``; the index is not yet written.
+
 Failure points raise :class:`InjectedFailure` instead of killing the process
 (``DCP_EXT_FAIL_AT=point``), for tests of how the other ranks react to one
 rank's error:
@@ -37,10 +44,11 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["crash_point", "fail_point", "InjectedFailure", "reload", "POINTS", "TIER_POINTS", "FAIL_POINTS"]
+__all__ = ["crash_point", "fail_point", "InjectedFailure", "reload", "POINTS", "TIER_POINTS", "HF_POINTS", "FAIL_POINTS"]
 
 POINTS = ("before_data", "mid_data", "after_data", "before_metadata", "before_newest", "mid_retention")
 TIER_POINTS = ("mid_local_commit", "mid_replication", "mid_drain", "before_drain_commit")
+HF_POINTS = ("mid_hf_file", "before_hf_index")
 FAIL_POINTS = ("mid_exchange", "mid_hf_export")
 
 _armed: frozenset[str] = frozenset()
@@ -56,10 +64,10 @@ def reload() -> None:
     global _armed
     raw = os.environ.get("DCP_EXT_CRASH_AT", "")
     names = frozenset(p.strip() for p in raw.split(",") if p.strip())
-    unknown = names - set(POINTS) - set(TIER_POINTS)
+    unknown = names - set(POINTS) - set(TIER_POINTS) - set(HF_POINTS)
     if unknown:
         raise ValueError(f"DCP_EXT_CRASH_AT names unknown crash points {sorted(unknown)}; "
-                         f"known: {POINTS + TIER_POINTS}")
+                         f"known: {POINTS + TIER_POINTS + HF_POINTS}")
     _armed = names
     global _failing
     failing = frozenset(p.strip() for p in os.environ.get("DCP_EXT_FAIL_AT", "").split(",") if p.strip())

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._failpoints import fail_point
+from ._failpoints import crash_point, fail_point
 from ._safetensors import build_header
 from ._torch_format import tensor_bytes
 from .errors import DcpExtError
@@ -170,6 +170,7 @@ class FileSink:
                 self._recorder.add(spec.name, self._offsets[index], runs)
                 for run in runs:
                     self._writer.write(run)
+                crash_point("mid_hf_file")
                 fail_point("mid_hf_export")
             except Exception as err:  # noqa: BLE001 - shared with every rank
                 self.fail(file, index, err)
@@ -195,6 +196,7 @@ class FileSink:
                     raise ValueError(f"expected {spec.nbytes} bytes of {spec.dtype} {list(spec.shape)}, got {written}")
                 hasher.finish()
                 self.streamed_bytes += written
+                crash_point("mid_hf_file")
                 fail_point("mid_hf_export")
             except Exception as err:  # noqa: BLE001 - shared with every rank
                 self.fail(file, index, err)

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ._failpoints import crash_point
 from ._hf_sink import FileSink, Outcome
 from ._hf_sources import LiveState, StoredState, check_cpu_backend
 from ._safetensors import build_header
@@ -164,6 +165,7 @@ def _finish_folder(store: Store, plan: _Plan, outcomes: Sequence[Outcome], exist
             # Before the index: transformers loads model.safetensors in
             # preference to any index, so the old one must not outlive it.
             store.delete(HF_SINGLE_FILE)
+        crash_point("before_hf_index")
         store.write_file(HF_INDEX_FILE, index_document(plan.tensors, plan.files))
     except BaseException:
         for target, name in written + [(store, f.name) for f in plan.files]:

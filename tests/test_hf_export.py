@@ -343,3 +343,61 @@ def test_export_streams_local_frames_and_batches_the_rest(tmp_path: Path) -> Non
     with pytest.raises(dcp_ext.CheckpointCorruptError, match=r"s1_partial/model_rank0\.distcp"):
         dcp_ext.export_hf(str(root / "s1_partial"), str(tmp_path / "short"))
     assert os.listdir(tmp_path / "short") == []
+
+
+_KILLED_EXPORT = """
+import sys, torch, dcp_ext
+torch.manual_seed(int(sys.argv[2]))
+state = {f"layer{i}.weight": torch.randn(64, 100) for i in range(6)}
+dcp_ext.save_hf(state, sys.argv[1], max_shard_size=int(sys.argv[3]), overwrite=True)
+"""
+
+
+def _hf_state(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(64, 100) for i in range(6)}
+
+
+def test_export_killed_at_any_point_leaves_no_committed_folder_and_the_next_export_tidies_it(tmp_path: Path) -> None:
+    """SIGKILL (no cleanup runs) while an export overwrites a committed one,
+    then while a new export is about to write its index: neither leaves a
+    folder that claims to be committed; the next export of the folder writes
+    a complete, verified one and removes the killed run's temporaries and
+    surplus shards."""
+    import subprocess
+    import sys
+
+    from dcp_ext.storage._base import TMP_MARK
+
+    folder = tmp_path / "hf"
+    dcp_ext.save_hf(_hf_state(1), folder, max_shard_size=60_000)  # 3 files of two 25.6 KB tensors
+    first = _check_index(folder, _hf_state(1))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+    def killed(point: str, seed: int, shard: int) -> None:
+        run = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, str(folder), str(seed), str(shard)],
+                             env={**env, "DCP_EXT_CRASH_AT": point}, capture_output=True, text=True, timeout=120)
+        assert run.returncode == -9, (point, run.returncode, run.stderr[-2000:])
+
+    # 1. Killed mid-file while overwriting: the old index went first, the open file is a temporary.
+    killed("mid_hf_file", 2, 60_000)
+    names = os.listdir(folder)
+    assert INDEX not in names and FOLDER_SIDECAR not in names, names
+    assert any(TMP_MARK in n for n in names), names
+    with pytest.raises(FileNotFoundError):
+        _folder(folder)
+    root = dcp_ext.CheckpointManager(tmp_path)
+    assert root.checkpoints.hf_folders() == []  # not listed as a checkpoint
+    # 2. Killed before the index of an export with more, smaller shards: every weights file is there, no index.
+    killed("before_hf_index", 3, 30_000)
+    names = os.listdir(folder)
+    assert INDEX not in names and FOLDER_SIDECAR in names, names
+    assert {f"model-0000{i}-of-00006.safetensors" for i in range(1, 7)} <= set(names), names
+    assert root.checkpoints.hf_folders() == []
+    # 3. The next export (no overwrite needed: nothing is committed) leaves exactly its own files.
+    report = dcp_ext.save_hf(_hf_state(4), folder, max_shard_size=60_000)
+    assert report.files == tuple(first)
+    assert _check_index(folder, _hf_state(4)) == first
+    assert sorted(os.listdir(folder)) == sorted([*first, FOLDER_SIDECAR, INDEX])
+    _assert_equal(_folder(folder), _hf_state(4))
+    assert root.checkpoints.hf_folders() == ["hf"]

@@ -56,6 +56,7 @@ from .errors import (
     NotACheckpointError,
     ReshardError,
 )
+from .frames import FrameTable, checksum_fault
 from .fp8 import FP8_DTYPES, SCALE_SUFFIX, ScaleBox, block_shape, dequantize_slice, paired_scales, scale_box, scale_shape
 from .key_map import KeyMap, TranslateFunction, rename_keys
 from .reader import CheckpointReader
@@ -84,6 +85,7 @@ class _Scale:
     weight_key: str
     scale_key: str
     tensor: _Tensor
+    stored: StoredItem  # with its frame checksums when the folder's sidecar has them
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -181,11 +183,14 @@ class FullCheckpointReader(CheckpointReader):
         )
         names = rename_keys(list(tensors), key_map=self.key_map, translate_function=self.translate_function,
                             where=self.source, exclude=set(paired.values()))
-        self.scales = {
-            names[weight]: _Scale(weight, scale, tensors[scale]) for weight, scale in paired.items() if weight in names
-        }
         recorded = read_checksums(self.store, self._file)
         sized: set[str] = set()
+        self.scales = {
+            names[weight]: _Scale(weight, scale, tensors[scale], self._stored_item(
+                scale, tensors[scale], _numel(tensors[scale].shape) * tensors[scale].dtype.itemsize,
+                recorded.get(tensors[scale].file), sized))
+            for weight, scale in paired.items() if weight in names
+        }
         state: dict[str, Any] = {}
         storage: dict[MetadataIndex, StoredItem] = {}
         for key, target in names.items():
@@ -637,6 +642,7 @@ def _dequantize_all(
     """
     jobs = []
     pieces: list[Piece] = []
+    checks: list[tuple[_Scale, torch.Tensor]] = []
     for target, fp8, scale in weights.values():
         where = reader.store.describe(scale.tensor.file)
         expected = scale_shape(tuple(target.shape), block)
@@ -654,14 +660,38 @@ def _dequantize_all(
         if local.numel() == 0:
             continue
         box = scale_box((offsets[0], offsets[1]), (local.shape[0], local.shape[1]), block)
-        scales = torch.empty(box.shape, dtype=scale.tensor.dtype)
-        pieces += _scale_pieces(scale.tensor, box, scales)
+        if scale.stored.checksums:
+            # Checksums cover whole frames: read the whole scale (1/16384 of
+            # its weight's elements for 128 x 128 blocks), check it, then slice.
+            whole = torch.empty(scale.tensor.shape, dtype=scale.tensor.dtype)
+            pieces.append(Piece(scale.tensor.file, scale.tensor.offset, tensor_bytes(whole)))
+            checks.append((scale, whole))
+            scales = whole[box.row0 : box.row1, box.col0 : box.col1]
+        else:
+            scales = torch.empty(box.shape, dtype=scale.tensor.dtype)
+            pieces += _scale_pieces(scale.tensor, box, scales)
         jobs.append((local, values, offsets, scales, box))
     store = reader.store
     store.read(plan_requests(pieces, gap=store.coalesce_gap, max_request=reader.config.read_request_size))
+    for scale, whole in checks:
+        _check_scale(scale, tensor_bytes(whole), store.describe(scale.tensor.file))
     with torch.no_grad():
         for local, values, offsets, scales, box in jobs:
             local.copy_(dequantize_slice(values, (offsets[0], offsets[1]), scales, box, block, local.dtype))
+
+
+def _check_scale(scale: _Scale, raw: memoryview, where: str) -> None:
+    """Check every frame of a scale read whole against its recorded checksums.
+
+    Raises:
+        ChecksumMismatchError: A frame's bytes differ from what was recorded.
+    """
+    table = FrameTable(scale.stored)
+    for k in range(len(table)):
+        frame = table.frame(k)
+        fault = checksum_fault(frame, raw[frame.raw_start : frame.raw_end])
+        if fault is not None:
+            raise fault.error(where, MetadataIndex(scale.scale_key), frame)
 
 
 def _scale_pieces(info: _Tensor, box: ScaleBox, out: torch.Tensor) -> list[Piece]:

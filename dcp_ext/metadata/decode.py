@@ -417,9 +417,7 @@ def read_created(head: bytes) -> float | None:
 
     The document's leading keys come in a fixed order with ``created`` among
     the first, so listing a root reads a few hundred bytes per checkpoint
-    instead of whole documents. Walks the document's leading ``"key": value``
-    members one by one as JSON (a nested value is parsed whole, so a
-    ``"created"`` inside one is never mistaken for the field).
+    instead of whole documents (see :func:`read_leading_field`).
 
     Args:
         head: The document's first bytes (or all of it).
@@ -428,6 +426,23 @@ def read_created(head: bytes) -> float | None:
         ``created`` in seconds since the epoch; ``None`` if ``head`` ends
         before it, it is not a number, or ``head`` is not the start of a JSON
         object.
+    """
+    value = read_leading_field(head, "created")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if number else None
+
+
+def read_leading_field(head: bytes, name: str) -> Any:
+    """The value of the top-level member ``name`` from the first bytes of a
+    metadata document (``format``, ``version``, ``created`` lead it).
+
+    Walks the document's leading ``"key": value`` members one by one as JSON
+    (a nested value is parsed whole, so a ``name`` inside one is never
+    mistaken for the field).
+
+    Returns:
+        The value; ``None`` if ``head`` ends before it or is not the start of
+        a JSON object.
     """
     text = head.decode("utf-8", errors="ignore")  # the cut may split a character
     decoder = json.JSONDecoder()
@@ -448,9 +463,8 @@ def read_created(head: bytes) -> float | None:
             pos = _skip_space(text, pos)
             if not text.startswith((",", "}"), pos):
                 return None  # the head may end inside this value (a cut number parses)
-            if key == "created":
-                number = isinstance(value, (int, float)) and not isinstance(value, bool)
-                return float(value) if number else None
+            if key == name:
+                return value
             if text.startswith("}", pos):
                 return None
             pos += 1

@@ -239,12 +239,15 @@ class S3Connection:
         read_params: Extra parameters for GetObject / HeadObject / UploadPart
             (SSE-C keys, requester pays).
         list_params: Extra parameters for listing and deleting.
+        checked_buckets: Buckets a store of this connection found to exist
+            (a store is opened per tag directory: one HEAD per bucket, not per store).
     """
 
     client: Any
     write_params: dict[str, Any] = field(default_factory=dict)
     read_params: dict[str, Any] = field(default_factory=dict)
     list_params: dict[str, Any] = field(default_factory=dict)
+    checked_buckets: set[str] = field(default_factory=set, compare=False)
 
 
 _CACHE: OrderedDict[str, S3Connection] = OrderedDict()

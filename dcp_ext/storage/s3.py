@@ -611,6 +611,9 @@ class S3Store(Store):
     def _check_bucket(self) -> None:
         if self._bucket_checked:
             return
+        if self.bucket in self.connection.checked_buckets:  # by another store of this connection
+            self._bucket_checked = True
+            return
         try:
             self.call("head_bucket", "checking bucket of")
         except StoragePermissionError:
@@ -630,6 +633,7 @@ class S3Store(Store):
                 self.url,
             ) from err
         self._bucket_checked = True
+        self.connection.checked_buckets.add(self.bucket)
 
     def root_exists(self) -> bool:
         self._check_bucket()

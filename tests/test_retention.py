@@ -44,3 +44,37 @@ def test_manager_applies_its_policy_after_each_commit(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not both"):
         manager.save("step70", model, num_kept_partial_checkpoints=1, retention=dcp_ext.KeepLast(1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["newest", "step60_partial"]
+
+
+@pytest.mark.parametrize("kind", ["moto", "seaweedfs"])
+def test_steady_state_saves_on_s3_cost_a_bounded_number_of_requests(kind: str, make_backend) -> None:
+    """A manager save with retention costs a fixed handful of requests: no bucket
+    check per tag directory, one metadata head read per committed tag; and a
+    deleted checkpoint leaves no directory behind (SeaweedFS keeps emptied
+    directories listed until their own key is deleted)."""
+    from collections import Counter
+
+    backend = make_backend(kind)
+    manager = dcp_ext.CheckpointManager(backend.url("root"), storage_options=backend.storage_options,
+                                        retention=dcp_ext.KeepLast(2))
+    model = nn.Linear(64, 64)
+    for step in range(4):
+        manager.save(f"s{step}", model)
+    calls: Counter[str] = Counter()
+
+    def count(event_name: str, **_: object) -> None:
+        calls[event_name.rsplit(".", 1)[-1]] += 1
+
+    events = manager.checkpoints.store.connection.client.meta.events
+    events.register("before-call.s3", count)
+    try:
+        manager.save("s4", model)
+    finally:
+        events.unregister("before-call.s3", count)
+    assert manager.tags() == ["s3", "s4"]
+    assert calls["HeadBucket"] == 0, calls
+    # The lock, newest, and the head of each of the 3 committed tags retention looks at.
+    assert calls["GetObject"] <= 6, calls
+    assert sum(calls.values()) <= 40, calls
+    assert manager.checkpoints.store.list_dirs() == ["s3_partial", "s4_partial"]
+    manager.close()

@@ -32,23 +32,34 @@ _depth = 0
 _was_enabled = False
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Disable the cyclic collector inside the block (nesting and threads
-    share one pause; it ends when the last block exits)."""
+def _pause() -> None:
+    """Take one hold on the shared pause (the first disables the collector)."""
     global _depth, _was_enabled
     with _lock:
         if _depth == 0:
             _was_enabled = gc.isenabled()
             gc.disable()
         _depth += 1
+
+
+def _resume() -> None:
+    """Drop one hold (the last re-enables the collector if it was running)."""
+    global _depth
+    with _lock:
+        _depth -= 1
+        if _depth == 0 and _was_enabled:
+            gc.enable()
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Disable the cyclic collector inside the block (nesting and threads
+    share one pause; it ends when the last block exits)."""
+    _pause()
     try:
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+        _resume()
 
 
 class GcLease:
@@ -61,27 +72,18 @@ class GcLease:
     """
 
     def __init__(self, seconds: float) -> None:
-        global _depth, _was_enabled
         self._released = False
         self._guard = threading.Lock()
-        with _lock:
-            if _depth == 0:
-                _was_enabled = gc.isenabled()
-                gc.disable()
-            _depth += 1
+        _pause()
         self._timer = threading.Timer(seconds, self.release)
         self._timer.daemon = True
         self._timer.start()
 
     def release(self) -> None:
         """End the pause (the collector runs again once no other pause holds)."""
-        global _depth
         with self._guard:
             if self._released:
                 return
             self._released = True
         self._timer.cancel()
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+        _resume()

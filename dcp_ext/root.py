@@ -169,7 +169,7 @@ class CheckpointRoot:
             except CheckpointNotFoundError:
                 continue  # never committed (failed or running save)
             found.append((TagInfo(tag, read_created(head) or 0.0), head))
-        return sorted(found, key=lambda found: (found[0].committed_at, found[0].tag))
+        return sorted(found, key=lambda entry: (entry[0].committed_at, entry[0].tag))
 
     # -- newest --------------------------------------------------------------------
     def newest_record(self) -> str | None:

@@ -595,18 +595,21 @@ class S3Store(Store):
     def remove_root_if_empty(self) -> None:
         """On AWS S3 a prefix vanishes with its last object. Stores that keep
         real directories behind their S3 API (SeaweedFS) list an emptied one
-        until its own key (``prefix/``) is deleted, and deleting that key does
-        not touch a directory that still holds anything; so once no object is
-        left below the root, delete those keys, deepest first (on AWS S3 they
-        do not exist and the deletes do nothing)."""
-        if not self.prefix or self._list(recursive=True)[0]:
-            return
-        self._delete_directory_keys("")
+        until its own key (``prefix/``) is deleted; so delete the keys of the
+        directories found empty, deepest first (on AWS S3 they do not exist
+        and the deletes do nothing)."""
+        if self.prefix:
+            self._delete_empty_directory_keys("")
 
-    def _delete_directory_keys(self, below: str) -> None:
-        for name in self._list(below=below)[1]:
-            self._delete_directory_keys(f"{below}{name}/")
+    def _delete_empty_directory_keys(self, below: str) -> bool:
+        """Delete the key of directory ``below`` (``""``: the root) if it holds
+        no file and each of its sub-directories was emptied the same way."""
+        files, dirs = self._list(below=below)
+        emptied = [self._delete_empty_directory_keys(f"{below}{name}/") for name in dirs]
+        if files or not all(emptied):
+            return False
         self.call("delete_object", "deleting", f"{self.prefix}/{below}", **self.connection.list_params)
+        return True
 
     def _check_bucket(self) -> None:
         if self._bucket_checked:

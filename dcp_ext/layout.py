@@ -81,7 +81,8 @@ DATA_SUFFIX = ".distcp"
 KIND_FILES = {"model": "model", "optimizer": "optimizer"}
 _OTHER_KIND = "state"
 
-_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
+# Matched whole (fullmatch): "$" alone would accept a trailing line break.
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}")
 _RESERVED = {NEWEST_FILE}
 
 
@@ -101,7 +102,7 @@ def validate_tag(tag: object) -> str:
     """
     if not isinstance(tag, str):
         raise InvalidTagError(f"checkpoint tag must be a string, got {type(tag).__name__}")
-    if not _TAG.match(tag) or ".." in tag:
+    if not _TAG.fullmatch(tag) or ".." in tag:
         raise InvalidTagError(
             f"invalid checkpoint tag {tag!r}: use 1-200 letters, digits and . _ - = +, "
             f"starting with a letter or digit (no '/', '..' or hidden names)"

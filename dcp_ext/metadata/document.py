@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from .._compat import _StorageInfo
 from .._torch_format import dtype_name
+from .._names import validate_name_part, validate_relative_name
 from ..errors import CheckpointCorruptError
 from ..tagged_json import UnsupportedValueError, encode_tree
 from .chunk_columns import as_columns
@@ -112,26 +113,8 @@ MAX_FRAME_SIZE = 256 * 1024 * 1024
 _INTEGRITY_PLACEHOLDER = "xxh3-64:" + "0" * 16
 _INTEGRITY_RE = re.compile(rb'"integrity":"(xxh3-64:[0-9a-f]{16})"\}$')
 
-# Relative names only: no absolute paths, no "..", no empty parts, no NUL.
-_NAME_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._\-]{0,254}$")
-
-
-def validate_file_name(name: object, where: str) -> str:
-    """Check that a data-file name from metadata stays inside the checkpoint.
-
-    Raises:
-        CheckpointCorruptError: ``name`` is absolute, has ``..`` or odd characters.
-    """
-    if not isinstance(name, str) or not name or len(name) > 1024:
-        raise CheckpointCorruptError(f"{where}: invalid data file name {name!r}", where)
-    for part in name.split("/"):
-        if not _NAME_PART.match(part) or part in (".", ".."):
-            raise CheckpointCorruptError(
-                f"{where}: data file name {name!r} is not a plain relative name; "
-                f"refusing to read outside the checkpoint",
-                where,
-            )
-    return name
+#: Data-file names from metadata: the one validator of names read from storage.
+validate_file_name = validate_relative_name
 
 
 #: How a frame stored in another checkpoint's data file is named: relative to
@@ -155,11 +138,11 @@ def split_reference(name: str, where: str) -> tuple[str, str]:
     if not isinstance(name, str) or not name.startswith(REFERENCE_PREFIX):
         raise CheckpointCorruptError(f"{where}: {name!r} is not a reference to another checkpoint's file", where)
     directory, _, file = name[len(REFERENCE_PREFIX):].partition("/")
-    if not directory or not _NAME_PART.match(directory):
+    if not directory:
         raise CheckpointCorruptError(
             f"{where}: reference {name!r} names no plain sibling checkpoint directory; refusing to read it", where
         )
-    return directory, validate_file_name(file, where)
+    return validate_name_part(directory, where, "referenced checkpoint directory"), validate_file_name(file, where)
 
 
 @dataclass(frozen=True)

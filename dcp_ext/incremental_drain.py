@@ -84,6 +84,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ._failpoints import crash_point
+from ._names import validate_relative_name
 from .config import IOConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ChecksumMismatchError, DcpExtError
 from .frames import checksum, frame_table
@@ -259,6 +260,7 @@ def rewrite_file(
     per earlier file to ``referenced``; returns the items as they now lie
     (without frame tables, as the metadata records them) and the file's size."""
     stored: list[tuple[MetadataIndex, StoredItem]] = []
+    validate_relative_name(name, local.describe(METADATA_FILE), "data file")  # before anything is read or written
     where = local.describe(name)
     with target.open_writer(name, size_hint=sum(item.data_length for _, item in entries)) as writer:
         for index, item in entries:
@@ -342,6 +344,10 @@ def root_document(decoded: DecodedMetadata, shares: Sequence[RewrittenFiles], ba
                                    f"({len(missing)} items unaccounted for); nothing committed", where)
     for name in referenced:
         directory, file = split_reference(name, where)
+        if not directory.endswith(PARTIAL_SUFFIX):
+            # A sibling that is no partial checkpoint: partial_store() would look elsewhere.
+            raise CheckpointCorruptError(f"{where}: the drained frames refer to {name!r}, which is not in a "
+                                         f"checkpoint directory ('*{PARTIAL_SUFFIX}'); nothing committed", where)
         store = persistent.partial_store(directory.removesuffix(PARTIAL_SUFFIX))
         if not store.exists(file):
             raise CheckpointNotFoundError(

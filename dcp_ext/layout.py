@@ -37,6 +37,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from ._names import validate_relative_name
 from .errors import CheckpointCorruptError, DcpExtError
 
 __all__ = [
@@ -334,34 +335,111 @@ def _decode_key_sets(sets: list[Any], table: list[str]) -> list[dict[str, tuple[
     """partition.json version 3's key sets, each kind's keys in table order.
 
     Raises:
-        ValueError: A set is malformed or refers to a later one.
+        ValueError: A set is malformed or refers to a later one (the message
+            names the field).
     """
     positions: list[dict[str, list[int]]] = []
     out: list[dict[str, tuple[str, ...]]] = []
     n = len(table)
+    budget = _MAX_DECODED_KEYS
     for j, entry in enumerate(sets):
         mine: dict[str, list[int]] = {}
-        for kind, value in entry.items():
+        for kind, value in _dict_field(entry, f"key_sets[{j}]").items():
+            where = f"key_sets[{j}].{kind}"
             if isinstance(value, dict):
-                like = value["like"]
-                if not (isinstance(like, int) and 0 <= like < j) or kind not in positions[like]:
-                    raise ValueError(f"key set {j} refers to key set {like!r}, which does not precede it")
-                chosen = (set(positions[like][kind]) - set(value["drop"])) | set(value["add"])
-                found = sorted(chosen)
+                like = _int_field(value.get("like"), f"{where}.like", high=_MAX_RANKS)
+                if like >= j or kind not in positions[like]:
+                    raise ValueError(f"field {where!r}: key set {j} refers to key set {like!r}, which does not "
+                                     f"precede it or has no {kind!r} keys")
+                drop = {_int_field(p, f"{where}.drop[{k}]", high=n - 1)
+                        for k, p in enumerate(_list_field(value.get("drop"), f"{where}.drop"))}
+                add = {_int_field(p, f"{where}.add[{k}]", high=n - 1)
+                       for k, p in enumerate(_list_field(value.get("add"), f"{where}.add"))}
+                found = sorted((set(positions[like][kind]) - drop) | add)
             else:
-                if len(value) % 2:
-                    raise ValueError("a key set's runs must come in start/end pairs")
-                found = []
-                for start, end in zip(value[::2], value[1::2]):
-                    if not 0 <= start <= end <= n:
-                        raise ValueError(f"key run [{start}, {end}) outside the key table")
-                    found.extend(range(start, end))
-            if found and not (0 <= found[0] and found[-1] < n and all(isinstance(p, int) for p in found)):
-                raise ValueError(f"key set {j} names a key outside the key table")
-            mine[str(kind)] = found
+                found = _expand_runs(value, where, n)
+            budget -= len(found)
+            if budget < 0:
+                raise ValueError(f"field {where!r}: the key sets name more than {_MAX_DECODED_KEYS} keys in all")
+            mine[kind] = found
         positions.append(mine)
         out.append({kind: tuple(table[p] for p in found) for kind, found in mine.items()})
     return out
+
+
+def _expand_runs(value: object, where: str, n: int) -> list[int]:
+    """Positions from ``[start, end, start, end, ...]`` runs (ends exclusive),
+    ascending and apart, as :func:`_runs` writes them (so no set is longer
+    than the key table, whatever the document repeats)."""
+    runs = _list_field(value, where)
+    if len(runs) % 2:
+        raise ValueError(f"field {where!r}: key runs must come in start/end pairs")
+    found: list[int] = []
+    previous = 0
+    for k in range(0, len(runs), 2):
+        start = _int_field(runs[k], f"{where}[{k}]", high=n)
+        end = _int_field(runs[k + 1], f"{where}[{k + 1}]", high=n)
+        if not previous <= start <= end:
+            raise ValueError(f"field {where!r}: key run [{start}, {end}) is not ascending and apart from the one "
+                             f"before it, within the key table of {n} keys")
+        found.extend(range(start, end))
+        previous = end
+    return found
+
+
+#: Largest rank, world size, node, mesh dimension or coordinate a partition
+#: record may name: far beyond any job, small enough that nothing sized by it
+#: is unreasonable.
+_MAX_RANKS = 1 << 24
+#: Keys all of a record's key sets (or version 1/2 rank key lists) may expand
+#: to: a 405B model saved by 8,192 ranks in version 2 takes about 40 million.
+_MAX_DECODED_KEYS = 1 << 26
+
+
+def _describe_value(value: object) -> str:
+    """A short description of a JSON value for a message (never its whole text)."""
+    if isinstance(value, (dict, list)):
+        return f"a {'dict' if isinstance(value, dict) else 'list'} of {len(value)}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return "an integer of more than 30 digits"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _int_field(value: object, field: str, low: int = 0, high: int = _MAX_RANKS) -> int:
+    """``value`` if it is an integer in ``[low, high]`` (not a bool, a float, NaN or infinity)."""
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"field {field!r} must be an integer in [{low}, {high}], not {_describe_value(value)}")
+    return value
+
+
+def _str_field(value: object, field: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"field {field!r} must be a string, not {_describe_value(value)}")
+    return value
+
+
+def _list_field(value: object, field: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"field {field!r} must be a list, not {_describe_value(value)}")
+    return value
+
+
+def _dict_field(value: object, field: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"field {field!r} must be an object (a dict), not {_describe_value(value)}")
+    return value
+
+
+def _required(doc: dict[str, Any], key: str, field: str) -> Any:
+    if key not in doc:
+        raise ValueError(f"field {field!r} is missing")
+    return doc[key]
+
+
+def _no_constants(name: str) -> Any:
+    # json.loads takes NaN and Infinity by default; no dcp_ext record has them.
+    raise ValueError(f"{name} is not valid in a partition record")
 
 
 def position_name(rank: int, mesh: MeshInfo | None) -> str:
@@ -467,59 +545,94 @@ class Partition:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Partition:
-        """Parse ``partition.json``.
+        """Parse ``partition.json``, trusting nothing in it.
+
+        Every field is checked for its type and range (integers are integers,
+        not floats, NaN or infinity, and within ``2**24``), and every data file
+        name is a plain relative name (:func:`dcp_ext._names.validate_relative_name`):
+        tiered saves copy, send and delete the files a record names.
+
+        Args:
+            data: The file's bytes.
+            where: The file, for messages.
 
         Raises:
-            CheckpointCorruptError: It is not a valid partition record.
+            UnsafeNameError: A data file name could leave the checkpoint
+                directory (absolute, ``..``, hidden, odd characters).
+            CheckpointCorruptError: It is not a valid partition record: bad
+                JSON, a missing field or one of the wrong type or range (the
+                message names the file and the field).
         """
         try:
-            doc = json.loads(data)
-            if doc.get("format") != "dcp_ext.partition" or doc.get("version") not in (1, 2, 3):
-                raise ValueError("not a dcp_ext partition record (version 1, 2 or 3)")
-            table = [str(key) for key in doc.get("key_table", ())]
-            version = doc["version"]
+            doc = json.loads(data, parse_constant=_no_constants)
+            if not isinstance(doc, dict):
+                raise ValueError(f"the record must be a JSON object, not {_describe_value(doc)}")
+            if doc.get("format") != "dcp_ext.partition":
+                raise ValueError("field 'format' is not 'dcp_ext.partition'")
+            version = _int_field(doc.get("version"), "version", 1, 3)
+            table = [_str_field(key, f"key_table[{k}]")
+                     for k, key in enumerate(_list_field(doc.get("key_table", []), "key_table"))]
+            budget = [_MAX_DECODED_KEYS]
 
-            def keys_of(value: Any) -> tuple[str, ...]:
+            def keys_of(value: object, field: str) -> tuple[str, ...]:
                 if version == 1:
-                    return tuple(str(x) for x in value)
-                if len(value) % 2:
-                    raise ValueError("a rank's key runs must come in start/end pairs")
-                found: list[str] = []
-                for start, end in zip(value[::2], value[1::2]):
-                    if not 0 <= start <= end <= len(table):
-                        raise ValueError(f"key run [{start}, {end}) outside the key table")
-                    found.extend(table[start:end])
-                return tuple(found)
+                    found = tuple(_str_field(x, f"{field}[{k}]") for k, x in enumerate(_list_field(value, field)))
+                else:
+                    found = tuple(table[p] for p in _expand_runs(value, field, len(table)))
+                budget[0] -= len(found)
+                if budget[0] < 0:
+                    raise ValueError(f"field {field!r}: the ranks name more than {_MAX_DECODED_KEYS} keys in all")
+                return found
 
-            mesh_doc = doc["mesh"]
-            mesh = None if mesh_doc is None else MeshInfo(
-                tuple(int(s) for s in mesh_doc["shape"]),
-                tuple(str(n) for n in mesh_doc["dim_names"]),
-                tuple(int(r) for r in mesh_doc["ranks"]),
-            )
-            key_sets = _decode_key_sets(doc["key_sets"], table) if version >= 3 else []
+            world_size = _int_field(_required(doc, "world_size", "world_size"), "world_size", 1)
+            mesh_doc = _required(doc, "mesh", "mesh")
+            mesh = None
+            if mesh_doc is not None:
+                _dict_field(mesh_doc, "mesh")
+                mesh = MeshInfo(
+                    tuple(_int_field(s, f"mesh.shape[{k}]", 1)
+                          for k, s in enumerate(_list_field(_required(mesh_doc, "shape", "mesh.shape"), "mesh.shape"))),
+                    tuple(_str_field(x, f"mesh.dim_names[{k}]") for k, x in enumerate(
+                        _list_field(_required(mesh_doc, "dim_names", "mesh.dim_names"), "mesh.dim_names"))),
+                    tuple(_int_field(r, f"mesh.ranks[{k}]") for k, r in enumerate(
+                        _list_field(_required(mesh_doc, "ranks", "mesh.ranks"), "mesh.ranks"))),
+                )
+            key_sets = (_decode_key_sets(_list_field(_required(doc, "key_sets", "key_sets"), "key_sets"), table)
+                        if version >= 3 else [])
 
-            def rank_keys(r: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+            def rank_keys(r: dict[str, Any], field: str) -> dict[str, tuple[str, ...]]:
                 if version >= 3:
-                    k = r["key_set"]
-                    if not (isinstance(k, int) and 0 <= k < len(key_sets)):
-                        raise ValueError(f"rank {r.get('rank')!r} names key set {k!r}, which is not listed")
+                    k = _int_field(_required(r, "key_set", f"{field}.key_set"), f"{field}.key_set",
+                                   high=len(key_sets) - 1)
                     shared: dict[str, tuple[str, ...]] = key_sets[k]
                     return shared
-                return {str(k): keys_of(v) for k, v in r["keys"].items()}
+                keys = _dict_field(_required(r, "keys", f"{field}.keys"), f"{field}.keys")
+                return {kind: keys_of(v, f"{field}.keys.{kind}") for kind, v in keys.items()}
 
-            ranks = tuple(
-                RankPartition(
-                    int(r["rank"]), {str(k): int(v) for k, v in r["coords"].items()},
-                    tuple(str(f) for f in r["files"]),
-                    rank_keys(r),
+            ranks: list[RankPartition] = []
+            seen: set[int] = set()
+            for i, r in enumerate(_list_field(_required(doc, "ranks", "ranks"), "ranks")):
+                field = f"ranks[{i}]"
+                _dict_field(r, field)
+                rank = _int_field(_required(r, "rank", f"{field}.rank"), f"{field}.rank", high=world_size - 1)
+                if rank in seen:
+                    raise ValueError(f"field {field + '.rank'!r}: rank {rank} is listed twice")
+                seen.add(rank)
+                coords = {k: _int_field(v, f"{field}.coords.{k}")
+                          for k, v in _dict_field(_required(r, "coords", f"{field}.coords"), f"{field}.coords").items()}
+                files = tuple(
+                    validate_relative_name(f, where, f"data file {field}.files[{k}] (of rank {rank})")
+                    for k, f in enumerate(_list_field(_required(r, "files", f"{field}.files"), f"{field}.files"))
                 )
-                for r in doc["ranks"]
-            )
-            nodes = tuple(int(n) for n in doc.get("nodes", ()))
-            partners = tuple(int(n) for n in doc.get("partners", ()))
-            return cls(int(doc["world_size"]), mesh, ranks, nodes, partners)
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+                ranks.append(RankPartition(rank, coords, files, rank_keys(r, field)))
+            nodes = tuple(_int_field(n, f"nodes[{k}]") for k, n in enumerate(_list_field(doc.get("nodes", []), "nodes")))
+            partners = tuple(_int_field(n, f"partners[{k}]")
+                             for k, n in enumerate(_list_field(doc.get("partners", []), "partners")))
+            return cls(world_size, mesh, tuple(ranks), nodes, partners)
+        except DcpExtError:
+            raise  # UnsafeNameError names the file and the field already
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as err:
+            # ValueError covers bad JSON and bad UTF-8; RecursionError deeply nested brackets.
             raise CheckpointCorruptError(f"{where} is not a valid partition record: {err}", where) from err
 
 

@@ -25,17 +25,21 @@ import torch
 import torch.distributed as dist
 
 from ._failpoints import crash_point
+from ._names import validate_relative_name
 from ._ranges import ReadRequest
 from ._torch_format import tensor_bytes
 from .errors import DcpExtError
 from .process_group import GroupView
 from .storage import ObjectWriter, Store
 
-__all__ = ["Transfer", "send_files", "replica_transfers"]
+__all__ = ["Transfer", "send_files", "replica_transfers", "check_transfers"]
 
 log = logging.getLogger("dcp_ext.replicas")
 
 _PIECE = 64 << 20
+#: Largest file a transfer may claim (1 PiB): a size from a peer is checked
+#: before pieces are planned from it.
+_MAX_FILE = 1 << 50
 
 
 @dataclass(frozen=True)
@@ -87,11 +91,15 @@ def send_files(group: GroupView, transfers: Sequence[Transfer], source: Store | 
     direction keeps one global order, so a send and its receive always match.
     A rank that fails (a read, a write) still exchanges every piece, so no peer
     waits for it forever, then every rank raises the same error.
+
+    Raises:
+        UnsafeNameError: A file name in ``transfers`` (which peers made from
+            their tiers' files) is not a plain relative name; every rank
+            raises it before anything is read, sent or written.
+        DcpExtError: A transfer is malformed, or a transfer failed.
     """
     rank = group.rank
-    for transfer in transfers:
-        if transfer.source == transfer.target:
-            raise DcpExtError(f"transfer of {transfer.name} from rank {transfer.source} to itself")
+    check_transfers(transfers, group.world_size)
     pieces = [(tag, transfer, offset) for tag, (transfer, offset) in enumerate(
         (t, offset) for t in transfers for offset in range(0, max(t.size, 1), _PIECE))]
     outgoing = [p for p in pieces if p[1].source == rank]
@@ -114,6 +122,28 @@ def send_files(group: GroupView, transfers: Sequence[Transfer], source: Store | 
     every = [e for e in group.all_gather(mine) if e is not None]
     if every:
         raise DcpExtError("sending data files between nodes failed: " + "; ".join(every))
+
+
+def check_transfers(transfers: Sequence[Transfer], world_size: int) -> None:
+    """Refuse transfers that are not plain files between two ranks of the group.
+
+    ``transfers`` is identical on every rank, so every rank refuses alike
+    without a collective.
+
+    Raises:
+        UnsafeNameError: A name that could leave the tier directory.
+        DcpExtError: A size or rank out of range, or a rank sending to itself.
+    """
+    for transfer in transfers:
+        where = f"the data files list of rank {transfer.source!r} (sent to rank {transfer.target!r})"
+        validate_relative_name(transfer.name, where, "data file")
+        size, ranks = transfer.size, (transfer.source, transfer.target)
+        if type(size) is not int or not 0 <= size <= _MAX_FILE:
+            raise DcpExtError(f"{where}: {transfer.name} has an invalid size {size!r}; refusing the transfer")
+        if any(type(r) is not int or not 0 <= r < world_size for r in ranks):
+            raise DcpExtError(f"{where}: transfer of {transfer.name} between ranks outside the group of {world_size}")
+        if transfer.source == transfer.target:
+            raise DcpExtError(f"transfer of {transfer.name} from rank {transfer.source} to itself")
 
 
 _Piece = tuple[int, Transfer, int]

@@ -48,8 +48,9 @@ from typing import Any
 
 from . import save_lock
 from ._failpoints import crash_point
+from ._names import validate_relative_name
 from .config import IOConfig
-from .errors import CheckpointNotFoundError, DcpExtError
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
 from .layout import DATA_SUFFIX, PARTITION_FILE, REPLICATED_KIND, USER_CONTENT_FILE, Partition, TagInfo
 from .incremental_drain import DrainBase, RewrittenFiles, choose_base, rewrite_files, root_document
 from .metadata import METADATA_FILE, TORCH_METADATA_FILE, decode_metadata, read_created
@@ -201,19 +202,38 @@ class LocalTier:
         except DcpExtError as err:
             log.warning("could not remove leftovers under %s: %s", self.checkpoints.url, err)
 
-    def _own_files(self, tag: str) -> tuple[Store, list[str], list[str]]:
-        """This rank's data files of ``tag``: (store, sharded-data files, replicated files)."""
+    def _gather_own_files(self, tag: str, replicated: bool) -> tuple[Store, list[list[tuple[str, int]]]]:
+        """(all ranks) Every rank's data files of ``tag`` with their sizes, by
+        rank: its ``replicated_*`` files if ``replicated``, else the others.
+
+        The names come from each rank's own node's ``partition.json``, checked
+        there (:meth:`Partition.from_json`) before any is sized or sent. A rank
+        that cannot read them still takes part in the gather, so that every
+        rank raises its error instead of the others waiting for it forever.
+
+        Raises:
+            DcpExtError: On every rank, of the kind of the first failing rank's
+                error (:class:`~dcp_ext._names.UnsafeNameError` for a name that
+                could leave the tier), naming its ``partition.json``.
+        """
         store = self.checkpoints.partial_store(tag)
-        partition = Partition.from_json(store.read_file(PARTITION_FILE), store.describe(PARTITION_FILE))
-        own = next((r.files for r in partition.ranks if r.rank == self.group.rank), ())
-        shared = [name for name in own if is_replicated_file(name)]
-        return store, [name for name in own if name not in shared], shared
+        files: list[tuple[str, int]] = []
+        error: DcpExtError | None = None
+        try:
+            partition = Partition.from_json(store.read_file(PARTITION_FILE), store.describe(PARTITION_FILE))
+            own = next((r.files for r in partition.ranks if r.rank == self.group.rank), ())
+            files = [(name, store.size(name)) for name in own if is_replicated_file(name) == replicated]
+        except DcpExtError as err:
+            error = err
+        every = self.group.all_gather((files, _carried(error, self.group.rank)))
+        raise_if_any(self.group, None, f"reading the data files of {tag!r} in the local tiers",
+                     [e for _, e in every], local=error)
+        return store, [f for f, _ in every]
 
     def share_replicated(self, tag: str) -> None:
         """(all ranks) Copy each rank's ``replicated_*`` file (plain tensors and
         values that every rank loads) to the leader of every other node."""
-        store, _, shared = self._own_files(tag)
-        every = self.group.all_gather([(name, store.size(name)) for name in shared])
+        store, every = self._gather_own_files(tag, replicated=True)
         nodes = self.nodes
         transfers = [
             Transfer(name, size, rank, nodes.leader_of(node))
@@ -226,8 +246,7 @@ class LocalTier:
     def replicate(self, tag: str) -> None:
         """(all ranks) Send this rank's data files of the locally committed
         ``tag`` to its partner node, which keeps them in its own tier."""
-        store, own, _ = self._own_files(tag)
-        every = self.group.all_gather([(name, store.size(name)) for name in own])
+        store, every = self._gather_own_files(tag, replicated=False)
         nodes = self.nodes
         transfers = replica_transfers(
             every, [nodes.node_of(r) for r in range(nodes.world_size)],
@@ -276,10 +295,17 @@ class LocalTier:
             try:
                 head = store.read_head(METADATA_FILE, _HEAD_BYTES)
                 partition = Partition.from_json(store.read_file(PARTITION_FILE), store.describe(PARTITION_FILE))
+            except CheckpointCorruptError as err:
+                # A damaged or hostile partition.json (UnsafeNameError): the tag is
+                # read from the other nodes or the root, never by the names it gives.
+                log.warning("not restoring %r from the local tier %s: %s", tag, self.path, err)
+                continue
             except DcpExtError:
                 continue  # not committed here, or unreadable: not a source
-            files = {n: store.size(n) for n in store.list_tree() if n.endswith(DATA_SUFFIX)}
             rank_files = tuple(tuple(r.files) for r in sorted(partition.ranks, key=lambda r: r.rank))
+            # Only the files the record names (checked names), as peers are sent this list.
+            named = {name for files in rank_files for name in files}
+            files = {n: store.size(n) for n in store.list_tree() if n in named}
             if len(rank_files) != partition.world_size:
                 continue
             tags[tag] = LocalTagState(tag, read_created(head) or 0.0, files, rank_files)
@@ -320,11 +346,53 @@ def write_commit_files(store: Store, files: dict[str, bytes]) -> None:
     store.write_file(METADATA_FILE, files[METADATA_FILE])
 
 
-def raise_if_any(group: GroupView, error: str | None, doing: str) -> None:
-    """(all ranks) Raise on every rank if any rank reports an ``error``."""
-    errors = [e for e in group.all_gather(error) if e is not None]
-    if errors:
-        raise DcpExtError(f"{doing} failed: " + "; ".join(errors))
+def _carried(error: DcpExtError | None, rank: int) -> DcpExtError | None:
+    """``error`` as it travels to the other ranks: its kind and path, its
+    message prefixed with the rank (errors pickle by message and path alone)."""
+    if error is None:
+        return None
+    return _of_kind(type(error), f"rank {rank}: {error}", error.path)
+
+
+def _of_kind(kind: type[DcpExtError], message: str, path: str | None) -> DcpExtError:
+    try:
+        return kind(message, path)
+    except TypeError:  # a subclass with a constructor of its own
+        return DcpExtError(message, path)
+
+
+def raise_if_any(group: GroupView, error: str | DcpExtError | None, doing: str,
+                 gathered: Sequence[str | DcpExtError | None] | None = None,
+                 local: BaseException | None = None) -> None:
+    """(all ranks) Raise on every rank if any rank reports an ``error``.
+
+    The error raised is of the kind of the lowest failing rank's error when
+    that is a :class:`DcpExtError` (so ``except UnsafeNameError`` or
+    ``except StorageFullError`` work on every rank), else a plain
+    :class:`DcpExtError`; its message holds every rank's.
+
+    Args:
+        group: The ranks.
+        error: This rank's error, or ``None``.
+        doing: What failed, for the message.
+        gathered: Every rank's error, already gathered by the caller (then
+            ``error`` is not sent again).
+        local: This rank's own exception, chained as the cause.
+    """
+    if gathered is None:
+        if isinstance(error, DcpExtError):
+            local = local or error
+            error = _carried(error, group.rank)
+        gathered = group.all_gather(error)
+    errors = [e for e in gathered if e is not None]
+    if not errors:
+        return
+    message = f"{doing} failed: " + "; ".join(str(e) for e in errors)
+    first = next((e for e in errors if isinstance(e, DcpExtError)), None)
+    combined = _of_kind(type(first), message, first.path) if first is not None else DcpExtError(message)
+    if local is not None:
+        raise combined from local
+    raise combined
 
 
 # -- drain to the persistent root ------------------------------------------------------
@@ -332,7 +400,12 @@ def raise_if_any(group: GroupView, error: str | None, doing: str) -> None:
 
 def copy_file(source: Store, target: Store, name: str) -> int:
     """Stream data file ``name`` from ``source`` to ``target`` (committed there
-    on success, aborted on failure); returns its size."""
+    on success, aborted on failure); returns its size.
+
+    Raises:
+        UnsafeNameError: ``name`` is not a plain relative name (nothing is read or written).
+    """
+    validate_relative_name(name, source.describe(PARTITION_FILE), "data file")
     size = source.size(name)
     with target.open_writer(name, size_hint=size) as writer:
         for offset in range(0, size, _COPY_CHUNK):
@@ -382,7 +455,7 @@ def drain(
     group.run_on_coordinator(take_lock)
     written = 0
     try:
-        error: str | None = None
+        error: DcpExtError | None = None
         local = tier.checkpoints.partial_store(tag)
         where = local.describe(METADATA_FILE)
         base = DrainBase()
@@ -405,7 +478,7 @@ def drain(
                                          persistent.config, storage_options or {})
                 written = share_of.written
         except DcpExtError as err:
-            error = f"rank {group.rank}: {err}"
+            error = err
         raise_if_any(group, error, f"copying {tag!r} to {persistent.url}")
         shares = group.all_gather(share_of) if base.tag is not None else []
         crash_point("before_drain_commit")

@@ -34,8 +34,19 @@ def retry_sync(
     is_transient: Callable[[BaseException], bool],
     what: str,
     paced: Callable[[BaseException], bool] | None = None,
+    deadline: float | None = None,
+    attempt_seconds: float = 0.0,
 ) -> T:
     """Call ``fn`` until it succeeds, a non-transient error, or attempts run out.
+
+    With a ``deadline`` (seconds from the first attempt) no attempt starts,
+    and no backoff sleeps, unless the attempt would end before the deadline
+    even if it took ``attempt_seconds`` (its worst case: the connect and
+    read timeouts of an endpoint that never answers); then the last error is
+    raised. The first attempt always runs. Without it an endpoint that
+    accepted connections and never answered held a save for over 700 s:
+    six attempts of botocore's 60 s read timeout, then the next request's
+    (issue 32).
 
     Errors that ``paced`` accepts (throttling, when ``fn`` waits for a rate
     limiter that slows down on it: :mod:`dcp_ext.storage._rate_limit`) are
@@ -51,22 +62,30 @@ def retry_sync(
     the hundred; the limiter logs when it starts pacing), others as warnings.
     """
     attempt = throttled = 1
+    start = time.monotonic()
     while True:
         try:
             return fn()
         except Exception as err:
             if not is_transient(err):
                 raise
-            if paced is not None and paced(err):
+            throttle = paced is not None and paced(err)
+            if throttle:
                 if throttled >= policy.max_attempts * PACED_ATTEMPTS_FACTOR:
                     raise
                 delay = random.uniform(0.0, policy.base_delay)
-                log.debug("%s: throttled (%d), retrying in %.2fs: %s", what, throttled, delay, err)
-                throttled += 1
             else:
                 if attempt >= policy.max_attempts:
                     raise
                 delay = backoff_delay(policy, attempt)
+            if deadline is not None and time.monotonic() - start + delay + attempt_seconds > deadline:
+                log.warning("%s: not retrying (%.3g s into the request, another attempt could end after its "
+                            "%.3g s deadline): %s", what, time.monotonic() - start, deadline, err)
+                raise
+            if throttle:
+                log.debug("%s: throttled (%d), retrying in %.2fs: %s", what, throttled, delay, err)
+                throttled += 1
+            else:
                 log.warning(
                     "%s: transient error (attempt %d/%d), retrying in %.2fs: %s",
                     what, attempt, policy.max_attempts, delay, err,

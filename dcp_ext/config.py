@@ -24,6 +24,12 @@ When to change them:
   answers ``503 SlowDown``, deal the data files out over this many key
   prefixes (256 suits thousands of ranks); S3 serves about 3,500 writes and
   5,500 reads per second per prefix.
+* ``s3_connect_timeout``, ``s3_read_timeout``, ``s3_request_deadline``: how
+  long an S3 request may wait. The defaults (5 s, 20 s, 60 s) fail a dead
+  endpoint within a minute (botocore's own 60 s read timeout and our six
+  attempts held a save for over 700 s, issue 32); raise the read timeout and
+  the deadline for an endpoint that is slow to answer (a busy gateway, a
+  server far away), lower them to fail over sooner.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ _GIB = 1024 * 1024 * 1024
 _SIZE_FIELDS = frozenset(
     {"part_size", "read_request_size", "coalesce_gap", "read_buffer_bytes", "frame_size"}
 )
+_SECONDS_FIELDS = frozenset({"s3_connect_timeout", "s3_read_timeout", "s3_request_deadline"})
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -77,6 +84,13 @@ def parse_size(value: int | str) -> int:
     if not match or unit not in _UNITS:
         raise ValueError(f"cannot parse size {value!r}: use bytes or e.g. '16MiB'")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _parse_seconds(raw: str, variable: str) -> float:
+    try:
+        return float(raw)
+    except ValueError as err:
+        raise ValueError(f"{variable}={raw!r} is not a number of seconds") from err
 
 
 @dataclass(frozen=True)
@@ -148,6 +162,23 @@ class IOConfig:
             900k chunks, about 25 s), so large saves skip it; dcp_ext reads
             either way.
         retry: Backoff policy for transient errors.
+        s3_connect_timeout: Seconds an S3 request waits for its TCP (and
+            TLS) connection to open (botocore's ``connect_timeout``, default
+            60 s there). Environment: ``DCP_EXT_S3_CONNECT_TIMEOUT``.
+        s3_read_timeout: Seconds an S3 request waits for the endpoint's
+            next bytes, while sending the body or receiving the answer
+            (botocore's ``read_timeout``, default 60 s there); a silent
+            endpoint fails the attempt after this long. Environment:
+            ``DCP_EXT_S3_READ_TIMEOUT``.
+        s3_request_deadline: Seconds one S3 request may take with all its
+            retries. No attempt starts (and no backoff sleeps) once it
+            could not end, if the endpoint stays silent, within this
+            deadline (``s3_connect_timeout + s3_read_timeout`` per attempt),
+            so a dead endpoint fails a request in at most this long: with
+            the defaults after two 20 s attempts, 40 s. Environment:
+            ``DCP_EXT_S3_REQUEST_DEADLINE``. ``storage_options``'
+            ``config_kwargs`` ``connect_timeout``/``read_timeout`` take
+            precedence over the two timeouts (and count in the deadline).
     """
 
     part_size: int = 16 * _MIB
@@ -163,6 +194,9 @@ class IOConfig:
     metadata_version: int = 3
     torch_metadata_chunks: int = 100_000
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
+    s3_connect_timeout: float = 5.0
+    s3_read_timeout: float = 20.0
+    s3_request_deadline: float = 60.0
 
     def __post_init__(self) -> None:
         if self.part_size < 5 * _MIB:
@@ -193,6 +227,16 @@ class IOConfig:
             raise ValueError(f"metadata_version must be 2 or 3, got {self.metadata_version}")
         if self.key_prefixes < 0:
             raise ValueError(f"key_prefixes must be >= 0, got {self.key_prefixes}")
+        for name in ("s3_connect_timeout", "s3_read_timeout", "s3_request_deadline"):
+            value = getattr(self, name)
+            # A NaN would compare false everywhere and disable the bound.
+            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.s3_request_deadline < self.s3_connect_timeout + self.s3_read_timeout:
+            raise ValueError(
+                f"s3_request_deadline ({self.s3_request_deadline:g} s) must leave room for one attempt: at least "
+                f"s3_connect_timeout + s3_read_timeout = {self.s3_connect_timeout + self.s3_read_timeout:g} s"
+            )
 
     @classmethod
     def from_env(cls, **overrides: object) -> IOConfig:
@@ -211,6 +255,8 @@ class IOConfig:
                 continue
             if field.name in _SIZE_FIELDS:
                 values[field.name] = parse_size(raw)
+            elif field.name in _SECONDS_FIELDS:
+                values[field.name] = _parse_seconds(raw, f"DCP_EXT_{field.name.upper()}")
             elif field.name in ("fsync", "verify_checksums"):
                 values[field.name] = raw.strip().lower() not in ("0", "false", "no", "off")
             else:

@@ -31,6 +31,7 @@ __all__ = [
     "StorageError",
     "StorageFullError",
     "TransientStorageError",
+    "StorageTimeoutError",
     "CheckpointKeyError",
     "ReshardError",
     "ReadOnceExchangeError",
@@ -131,6 +132,13 @@ class StorageFullError(StorageError):
 
 class TransientStorageError(StorageError):
     """A failure that is worth retrying (throttling, 5xx, reset, short read)."""
+
+
+class StorageTimeoutError(StorageError, TimeoutError):
+    """The storage endpoint did not answer a request within its timeouts and
+    deadline (``IOConfig.s3_connect_timeout``, ``s3_read_timeout``,
+    ``s3_request_deadline``). The message names the endpoint, the object and
+    the settings to change. Not retried further: the deadline is spent."""
 
 
 class ReadOnceExchangeError(DcpExtError, RuntimeError):

@@ -16,9 +16,21 @@ uploaded part up to four times.)
 fields), ``s3_additional_kwargs`` (extra request parameters such as
 ``ServerSideEncryption``) and ``requester_pays``. Unknown options are an error.
 
-Clients are cached per (options, concurrency), because building one loads
-botocore's service model (80-450 ms here); :func:`clear_client_cache` drops
-them.
+Every client has bounded waits: ``IOConfig.s3_connect_timeout`` and
+``s3_read_timeout`` are its ``connect_timeout`` and ``read_timeout`` (unless
+``config_kwargs`` sets them), and :class:`~dcp_ext.storage.S3Store` ends a
+request's retries at ``IOConfig.s3_request_deadline``. A request the
+endpoint never answered raises :class:`~dcp_ext.errors.StorageTimeoutError`
+(:func:`timeout_error`), which names the endpoint, the object and the
+settings. The connection then remembers the silence (:class:`Silence`) for
+as long as one more attempt would have waited: requests in that window fail
+at once with the same error instead of waiting again, so the clean-up
+requests of a failed save (aborting uploads, removing its directory)
+do not each add a deadline to it.
+
+Clients are cached per (options, concurrency, timeouts), because building one
+loads botocore's service model (80-450 ms here); :func:`clear_client_cache`
+drops them.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +52,7 @@ from ..errors import (
     DcpExtError,
     StorageError,
     StoragePermissionError,
+    StorageTimeoutError,
     TransientStorageError,
 )
 
@@ -48,6 +62,10 @@ __all__ = [
     "clear_client_cache",
     "is_transient_s3_error",
     "is_throttling_s3_error",
+    "is_timeout_s3_error",
+    "timeout_error",
+    "silent_endpoint_error",
+    "Silence",
     "translate_s3_error",
 ]
 
@@ -159,6 +177,44 @@ def is_throttling_s3_error(err: BaseException) -> bool:
     return code in _THROTTLING_CODES or status in (429, 503)
 
 
+def is_timeout_s3_error(err: BaseException) -> bool:
+    """Whether an S3 call failed because the endpoint did not answer in time
+    (connect or read timeout, while sending the request or receiving the answer)."""
+    import botocore.exceptions as bexc
+    import urllib3.exceptions as uexc
+
+    return isinstance(err, (bexc.ConnectTimeoutError, bexc.ReadTimeoutError, uexc.TimeoutError, TimeoutError))
+
+
+def timeout_error(err: BaseException, connection: S3Connection, config: IOConfig, where: str, doing: str,
+                  attempts: int, elapsed: float) -> StorageTimeoutError:
+    """The error of a request that ended because the endpoint did not answer:
+    it names the endpoint, what was being done to which object, how long it
+    waited, and which settings bound the wait."""
+    return StorageTimeoutError(
+        f"the S3 endpoint {connection.endpoint} did not answer in time {doing} {where}: {attempts} "
+        f"attempt(s) in {elapsed:.1f} s, the last failed with {type(err).__name__} ({err}); each attempt "
+        f"waits at most connect_timeout={connection.connect_timeout:g} s and read_timeout="
+        f"{connection.read_timeout:g} s, the request at most s3_request_deadline={config.s3_request_deadline:g} s. "
+        f"Check endpoint_url in storage_options and the network; for an endpoint that is only slow, raise "
+        f"IOConfig.s3_read_timeout and s3_request_deadline (DCP_EXT_S3_READ_TIMEOUT, DCP_EXT_S3_REQUEST_DEADLINE)",
+        where,
+    )
+
+
+def silent_endpoint_error(connection: S3Connection, config: IOConfig, where: str, doing: str,
+                          left: float, why: str) -> StorageTimeoutError:
+    """The error of a request not sent because the endpoint has just left
+    another unanswered (:class:`Silence`)."""
+    return StorageTimeoutError(
+        f"not sent ({doing} {where}): the S3 endpoint {connection.endpoint} has just left a request "
+        f"unanswered, so dcp_ext sends it nothing for {left:.1f} s more (as long as one attempt waits: "
+        f"connect_timeout={connection.connect_timeout:g} s + read_timeout={connection.read_timeout:g} s; "
+        f"s3_request_deadline={config.s3_request_deadline:g} s). That request: {why}",
+        where,
+    )
+
+
 def translate_s3_error(err: BaseException, where: str, doing: str) -> DcpExtError:
     """Map a botocore/aiohttp error to the dcp_ext error a user can act on."""
     import botocore.exceptions as bexc
@@ -229,6 +285,29 @@ _WRITE_PARAMETERS = frozenset(
 _SSE_C = ("SSECustomerAlgorithm", "SSECustomerKey", "SSECustomerKeyMD5")
 
 
+class Silence:
+    """When an endpoint last left a request unanswered, shared by the threads
+    and stores of one connection."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._until = 0.0
+        self._why = ""
+
+    def note(self, until: float, why: str) -> None:
+        """The endpoint left a request unanswered: requests fail at once until
+        ``until`` (``time.monotonic()``)."""
+        with self._lock:
+            if until > self._until:
+                self._until, self._why = until, why
+
+    def remaining(self) -> tuple[float, str] | None:
+        """``(seconds left, why)`` while requests are to fail at once, else ``None``."""
+        with self._lock:
+            left = self._until - time.monotonic()
+            return (left, self._why) if left > 0 else None
+
+
 @dataclass(frozen=True)
 class S3Connection:
     """A botocore S3 client and the request parameters every call carries.
@@ -239,15 +318,31 @@ class S3Connection:
         read_params: Extra parameters for GetObject / HeadObject / UploadPart
             (SSE-C keys, requester pays).
         list_params: Extra parameters for listing and deleting.
+        connect_timeout: The client's connect timeout, seconds.
+        read_timeout: The client's read timeout, seconds.
         checked_buckets: Buckets a store of this connection found to exist
             (a store is opened per tag directory: one HEAD per bucket, not per store).
+        silence: When the endpoint last left a request unanswered.
     """
 
     client: Any
     write_params: dict[str, Any] = field(default_factory=dict)
     read_params: dict[str, Any] = field(default_factory=dict)
     list_params: dict[str, Any] = field(default_factory=dict)
+    connect_timeout: float = 60.0
+    read_timeout: float = 60.0
     checked_buckets: set[str] = field(default_factory=set, compare=False)
+    silence: Silence = field(default_factory=Silence, compare=False)
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint the client sends requests to."""
+        return str(getattr(getattr(self.client, "meta", None), "endpoint_url", "") or "(AWS S3)")
+
+    @property
+    def attempt_seconds(self) -> float:
+        """The longest an attempt can wait on an endpoint that sends nothing."""
+        return self.connect_timeout + self.read_timeout
 
 
 _CACHE: OrderedDict[str, S3Connection] = OrderedDict()
@@ -298,6 +393,10 @@ def _build(storage_options: dict[str, Any], config: IOConfig) -> S3Connection:
     if token is not None:
         client_kwargs.setdefault("aws_session_token", token)
     config_kwargs.setdefault("max_pool_connections", max(16, 2 * config.max_concurrency))
+    # botocore waits 60 s for a connection and 60 s for each answer by default:
+    # with our retries, a silent endpoint held a save for over 700 s (issue 32).
+    config_kwargs.setdefault("connect_timeout", config.s3_connect_timeout)
+    config_kwargs.setdefault("read_timeout", config.s3_read_timeout)
     # One retry layer, ours: botocore's own would multiply the bound.
     config_kwargs.setdefault("retries", {"total_max_attempts": 1})
     # Integrity is dcp_ext's job end to end; per-request CRCs only cost CPU.
@@ -314,6 +413,8 @@ def _build(storage_options: dict[str, Any], config: IOConfig) -> S3Connection:
         write_params={**additional, **payer},
         read_params={**sse_c, **payer},
         list_params=dict(payer),
+        connect_timeout=float(client.meta.config.connect_timeout),
+        read_timeout=float(client.meta.config.read_timeout),
     )
 
 
@@ -324,7 +425,8 @@ def get_connection(storage_options: dict[str, Any] | None, config: IOConfig) -> 
         ValueError: An option dcp_ext does not understand.
     """
     options = dict(storage_options or {})
-    cache_key = json.dumps([options, config.max_concurrency], sort_keys=True, default=repr)
+    cache_key = json.dumps([options, config.max_concurrency, config.s3_connect_timeout, config.s3_read_timeout],
+                           sort_keys=True, default=repr)
     with _CACHE_LOCK:
         connection = _CACHE.get(cache_key)
         if connection is not None:

@@ -11,7 +11,13 @@
 * Reads are ranged GETs from up to ``max_concurrency`` threads, received
   straight into destination memory.
 * Transient failures (throttling, 5xx, resets, timeouts, short bodies) are
-  retried with bounded exponential backoff (:mod:`dcp_ext._retry`).
+  retried with bounded exponential backoff (:mod:`dcp_ext._retry`), within
+  the request's deadline: every request (listing, HEAD, GET, PUT, each part
+  of a multipart upload, completing or aborting it, DELETE) waits at most
+  ``IOConfig.s3_connect_timeout`` plus ``s3_read_timeout`` per attempt and
+  starts no attempt that could end after ``s3_request_deadline``; an
+  endpoint that does not answer raises
+  :class:`~dcp_ext.errors.StorageTimeoutError` naming it.
 * Every attempt goes through the adaptive rate limiter of its key prefix
   (:mod:`dcp_ext.storage._rate_limit`), shared by the store's threads: after
   a ``503 SlowDown`` the store paces its requests to that prefix to what S3
@@ -26,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -50,7 +57,10 @@ from ._s3_client import (
     _client_error_parts,
     get_connection,
     is_throttling_s3_error,
+    is_timeout_s3_error,
     is_transient_s3_error,
+    silent_endpoint_error,
+    timeout_error,
     translate_s3_error,
 )
 
@@ -358,8 +368,54 @@ class S3Store(Store):
         """What the rate limiter of each key prefix this store used saw."""
         return self.rate_limiters.stats()
 
+    def request(self, attempt: Callable[[], T], limited: str, where: str, doing: str, what: str = "") -> T:
+        """Run ``attempt`` (one S3 request) paced by the rate limiter of key
+        ``limited``, retried within the request's deadline; errors become
+        dcp_ext errors.
+
+        Args:
+            attempt: Sends the request once and returns its result.
+            limited: The key (or listed prefix) whose rate limiter paces it.
+            where: The object, for messages.
+            doing: What is being done, for messages ("writing", ...).
+            what: What the log says is retried (default ``doing where``).
+
+        Raises:
+            StorageTimeoutError: The endpoint did not answer within the
+                timeouts and ``IOConfig.s3_request_deadline``, or it has just
+                left another request unanswered (then nothing is sent).
+            DcpExtError: Any other failure, translated
+                (:func:`~dcp_ext.storage._s3_client.translate_s3_error`).
+        """
+        silent = self.connection.silence.remaining()
+        if silent is not None:
+            raise silent_endpoint_error(self.connection, self.config, where, doing, *silent)
+        attempts = 0
+
+        def counted() -> T:
+            nonlocal attempts
+            attempts += 1
+            return attempt()
+
+        start = time.monotonic()
+        try:
+            return retry_sync(
+                self.paced(limited, counted), self.config.retry, is_transient_s3_error, what or f"{doing} {where}",
+                is_throttling_s3_error, deadline=self.config.s3_request_deadline,
+                attempt_seconds=self.connection.attempt_seconds,
+            )
+        except DcpExtError:
+            raise
+        except Exception as err:
+            if is_timeout_s3_error(err):
+                error = timeout_error(err, self.connection, self.config, where, doing, attempts,
+                                      time.monotonic() - start)
+                self.connection.silence.note(time.monotonic() + self.connection.attempt_seconds, str(error))
+                raise error from err
+            raise translate_s3_error(err, where, doing) from err
+
     def call(self, method: str, doing: str, key: str | None = None, **kwargs: Any) -> Any:
-        """One S3 API call with retries; errors become dcp_ext errors.
+        """One S3 API call with retries (:meth:`request`); errors become dcp_ext errors.
 
         Args:
             method: botocore client method name.
@@ -372,15 +428,7 @@ class S3Store(Store):
         function: Callable[..., Any] = getattr(self.connection.client, method)
         # Calls without a key (listings) count against the prefix they list.
         limited = key if key is not None else str(kwargs.get("Prefix", f"{self.prefix}/"))
-        try:
-            return retry_sync(
-                self.paced(limited, lambda: function(Bucket=self.bucket, **kwargs)),
-                self.config.retry, is_transient_s3_error, f"{doing} {where}", is_throttling_s3_error,
-            )
-        except DcpExtError:
-            raise
-        except Exception as err:
-            raise translate_s3_error(err, where, doing) from err
+        return self.request(lambda: function(Bucket=self.bucket, **kwargs), limited, where, doing)
 
     # -- small files --------------------------------------------------------
     def read_file(self, name: str) -> bytes:
@@ -393,14 +441,7 @@ class S3Store(Store):
             with response["Body"] as body:
                 return bytes(body.read())
 
-        where = self.describe(name)
-        try:
-            return retry_sync(self.paced(key, attempt), self.config.retry, is_transient_s3_error, f"reading {where}",
-                              is_throttling_s3_error)
-        except DcpExtError:
-            raise
-        except Exception as err:
-            raise translate_s3_error(err, where, "reading") from err
+        return self.request(attempt, key, self.describe(name), "reading")
 
     def write_file(self, name: str, data: bytes) -> None:
         # A single PUT is atomic: readers see the old object or the new one.
@@ -467,13 +508,8 @@ class S3Store(Store):
                 if not finished:
                     body.close()  # unknown connection state: discard it
 
-        try:
-            retry_sync(self.paced(self.key(request.name), attempt), self.config.retry, is_transient_s3_error,
-                       f"reading {where} [{request.offset}, {last + 1})", is_throttling_s3_error)
-        except DcpExtError:
-            raise
-        except Exception as err:
-            raise translate_s3_error(err, where, "reading") from err
+        self.request(attempt, self.key(request.name), where, "reading",
+                     f"reading {where} [{request.offset}, {last + 1})")
         if buffer is not None:
             scatter(request, buffer)
         self._finished(request)
@@ -547,15 +583,10 @@ class S3Store(Store):
             with response["Body"] as body:
                 return bytes(body.read())
 
-        where = self.describe(name)
         try:
-            return retry_sync(self.paced(key, attempt), self.config.retry, is_transient_s3_error, f"reading {where}",
-                              is_throttling_s3_error)
-        except Exception as err:
-            translated = translate_s3_error(err, where, "reading")
-            if isinstance(translated, CheckpointCorruptError):  # 416: range starts past the end
-                return b""
-            raise translated from err
+            return self.request(attempt, key, self.describe(name), "reading")
+        except CheckpointCorruptError:  # 416: the range starts past the end
+            return b""
 
     def size(self, name: str) -> int:
         head = self.call("head_object", "checking", self.key(name), **self.connection.read_params)

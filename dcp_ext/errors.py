@@ -35,6 +35,9 @@ __all__ = [
     "CheckpointKeyError",
     "ReshardError",
     "ReadOnceExchangeError",
+    "InvalidPathError",
+    "InvalidOptionError",
+    "CheckpointReplacedError",
     "unwrap_checkpoint_exception",
 ]
 
@@ -154,6 +157,25 @@ class CheckpointKeyError(DcpExtError, KeyError):
 class ReshardError(DcpExtError, ValueError):
     """A checkpoint tensor cannot be loaded into the requested one: a different
     global shape or dtype, or a layout the saved chunks cannot fill."""
+
+
+class InvalidPathError(DcpExtError, ValueError):
+    """A path given to dcp_ext cannot be used: it is empty (which would mean
+    the current directory, and leftover cleanup there), or an export's
+    output lies in the checkpoint it reads (writing it would destroy the
+    source)."""
+
+
+class InvalidOptionError(DcpExtError, ValueError):
+    """An option is malformed, e.g. ``dcp-ext --storage-options`` that is not
+    a JSON object. The message names the option."""
+
+
+class CheckpointReplacedError(DcpExtError, RuntimeError):
+    """The checkpoint was replaced (a save with ``overwrite=True``) or removed
+    while it was being read: its metadata is no longer the document the load
+    started from, so the bytes read do not belong to one checkpoint. Nothing
+    is damaged; load it again."""
 
 
 def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:

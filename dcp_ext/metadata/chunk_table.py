@@ -41,29 +41,68 @@ from ..errors import CheckpointCorruptError, UnsupportedCodecError
 from .chunk_columns import ChunkColumns
 from .document import MAX_FRAME_SIZE, StoredItem
 
-__all__ = ["ChunkLocations", "KeyTotals", "columns_of", "decode_table", "read_key_rows"]
+__all__ = ["ChunkLocations", "KeyTotals", "columns_of", "decode_table", "read_key_rows", "table_entry", "key_width"]
 
 _ITEM_COLUMNS = 8
-_MAX_TABLE_BYTES = 1 << 34
+#: Largest chunk table a reader decodes (about 150 million chunks).
+MAX_TABLE_BYTES = 1 << 34
 
 
-def decode_table(text: Any, codec: Any, raw_length: Any, where: str) -> np.ndarray:
+def key_width(ndim: int) -> int:
+    """Integers per row of a key of ``ndim`` dimensions (``0``: a bytes value)."""
+    return 2 * ndim + _ITEM_COLUMNS
+
+
+def table_entry(entry: Any, fqn: str, where: str) -> tuple[int, int]:
+    """A key's ``table`` entry ``[first integer, rows]``, checked.
+
+    Raises:
+        CheckpointCorruptError: It is not two non-negative 64-bit integers.
+    """
+    if not (isinstance(entry, list) and len(entry) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63 for v in entry
+    )):
+        raise CheckpointCorruptError(f"{where}: key {fqn!r} has a malformed chunk table entry {entry!r}", where)
+    return entry[0], entry[1]
+
+
+def decode_table(text: Any, codec: Any, raw_length: Any, where: str, needed: int | None = None) -> np.ndarray:
     """The document's chunk table as 64-bit integers (a read-only array over
     the decompressed bytes: no copy).
+
+    Nothing larger than the declared ``raw_length`` is ever allocated: a
+    zstd frame that declares another size is refused before it is
+    decompressed (python-zstandard allocates a frame's declared size whatever
+    ``max_output_size`` says: a 65 KiB document once cost 1.5 GiB, issue 32).
+
+    Args:
+        text, codec, raw_length: The document's ``chunk_table``,
+            ``chunk_table_codec`` and ``chunk_table_bytes``.
+        where: The document, for messages.
+        needed: Integers the document's keys' rows span; the declared size
+            must be exactly that (checked before anything is decoded).
 
     Raises:
         CheckpointCorruptError: It is not valid base64 / zstd / zlib, or its size is wrong.
         UnsupportedCodecError: It is zstd-compressed and the zstandard package is missing.
     """
-    if not isinstance(text, str) or not isinstance(raw_length, int) or not 0 <= raw_length <= _MAX_TABLE_BYTES:
-        raise CheckpointCorruptError(f"{where}: its chunk table is missing or malformed", where)
+    if not isinstance(text, str) or isinstance(raw_length, bool) or not isinstance(raw_length, int) \
+            or not 0 <= raw_length <= MAX_TABLE_BYTES:
+        raise CheckpointCorruptError(
+            f"{where}: its chunk table is missing or malformed (chunk_table_bytes must be 0 to {MAX_TABLE_BYTES})", where
+        )
     if raw_length % 8 or codec not in ("zstd", "zlib"):
         raise CheckpointCorruptError(f"{where}: its chunk table ({codec!r}, {raw_length} bytes) is malformed", where)
+    if needed is not None and raw_length != 8 * needed:
+        raise CheckpointCorruptError(
+            f"{where}: chunk_table_bytes says {raw_length} bytes, but its keys' rows span {8 * needed}", where
+        )
     try:
         packed = base64.b64decode(text, validate=True)
         if codec == "zlib":
             inflater = zlib.decompressobj()
-            raw = inflater.decompress(packed, raw_length)
+            # Never more than raw_length (0 would mean "no limit" to zlib).
+            raw = inflater.decompress(packed, raw_length) if raw_length else b""
         else:
             try:
                 import zstandard
@@ -73,8 +112,15 @@ def decode_table(text: Any, codec: Any, raw_length: Any, where: str) -> np.ndarr
                     f"installed; pip install zstandard",
                     where,
                 ) from err
+            declared = zstandard.frame_content_size(packed)  # -1: not recorded (TableEncoder streams)
+            if declared not in (-1, raw_length):
+                raise CheckpointCorruptError(
+                    f"{where}: its chunk table's zstd frame declares {declared} bytes, chunk_table_bytes "
+                    f"{raw_length}; refusing to decompress it",
+                    where,
+                )
             raw = zstandard.ZstdDecompressor().decompress(packed, max_output_size=raw_length)
-    except UnsupportedCodecError:
+    except (UnsupportedCodecError, CheckpointCorruptError):
         raise
     except Exception as err:  # ValueError (base64), zlib.error, zstandard.ZstdError
         raise CheckpointCorruptError(f"{where}: its chunk table cannot be decoded ({err})", where) from err
@@ -95,12 +141,8 @@ def read_key_rows(
     Raises:
         CheckpointCorruptError: The ``table`` entry points outside the table.
     """
-    if not (isinstance(entry, list) and len(entry) == 2 and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry
-    )):
-        raise CheckpointCorruptError(f"{where}: key {fqn!r} has a malformed chunk table entry {entry!r}", where)
-    first, rows = entry
-    width = 2 * ndim + _ITEM_COLUMNS
+    first, rows = table_entry(entry, fqn, where)
+    width = key_width(ndim)
     if first + rows * width > len(table):
         raise CheckpointCorruptError(f"{where}: key {fqn!r} points outside the chunk table", where)
     block = table[first : first + rows * width].reshape(width, rows)

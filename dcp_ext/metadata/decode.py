@@ -9,6 +9,8 @@ described in :mod:`dcp_ext.metadata.document`.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,7 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 from .._torch_format import dtype_from_name
 from ..errors import CheckpointCorruptError, UnsupportedCodecError
 from ..tagged_json import decode_tree
-from .chunk_table import ChunkLocations, columns_of, decode_table, read_key_rows
+from .chunk_table import ChunkLocations, columns_of, decode_table, key_width, read_key_rows, table_entry
+from .frame_index import MAX_INDEX_BYTES
+from .stored_json import parse_stored_json
 from .document import (
     DCP_VERSION,
     FORMAT,
@@ -40,20 +44,68 @@ from .document import (
     validate_file_name,
 )
 
-__all__ = ["DecodedMetadata", "IncrementalSection", "decode_metadata", "read_created", "read_incremental_section"]
+__all__ = [
+    "DecodedMetadata", "IncrementalSection", "decode_metadata", "read_created", "read_leading_field",
+    "read_incremental_section",
+]
+
+# Every size, offset and count is a 64-bit integer where it is used (numpy
+# columns, file offsets): a larger one (JSON has no limit) must be refused
+# here, not overflow later (issue 32, finding 7: 10**400).
+_INT_LIMIT = 1 << 63
+#: Latest commit time accepted (year 5138): ``ls`` formats it as a date.
+MAX_CREATED = 1e11
+# What a malformed document raises while it is walked, besides our own errors.
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError, RecursionError)
+
 
 def _int_list(value: Any, what: str, where: str) -> list[int]:
     if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _INT_LIMIT for v in value
     ):
-        raise CheckpointCorruptError(f"{where}: {what} must be a list of non-negative integers", where)
+        raise CheckpointCorruptError(f"{where}: {what} must be a list of non-negative 64-bit integers", where)
     return value
 
 
 def _nonneg(value: Any, what: str, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise CheckpointCorruptError(f"{where}: {what} must be a non-negative integer, got {value!r}", where)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _INT_LIMIT:
+        raise CheckpointCorruptError(
+            f"{where}: {what} must be a non-negative 64-bit integer, got {_short(value)}", where
+        )
     return value
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to a length a message can hold (a hostile value may be 10**400)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else f"an integer of {len(str(abs(value)))} digits"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _world_size(doc: dict[str, Any], where: str) -> int:
+    """The document's ``world_size`` (``0`` when absent: early documents)."""
+    return _nonneg(doc.get("world_size", 0), "world_size", where)
+
+
+def _created(doc: dict[str, Any], where: str) -> float:
+    """The document's ``created`` time (``0.0`` when absent), a finite number of seconds."""
+    value = doc.get("created")
+    if value is None:
+        return 0.0
+    if not _is_time(value):
+        raise CheckpointCorruptError(
+            f"{where}: created must be a commit time in seconds since the epoch, got {_short(value)}", where
+        )
+    return float(value)
+
+
+def _is_time(value: Any) -> bool:
+    """Whether ``value`` is a number that a commit time can be: finite, 0 to :data:`MAX_CREATED`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, int) and not 0 <= value <= MAX_CREATED:
+        return False  # also keeps float() from overflowing on 10**400
+    return math.isfinite(value) and 0 <= value <= MAX_CREATED
 
 
 @dataclass(frozen=True)
@@ -125,16 +177,11 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
         CheckpointCorruptError: The document is not valid dcp_ext metadata.
     """
     verified = check_integrity(data, where)
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointCorruptError(
-            f"{where} is not valid JSON ({err}); the metadata file is damaged", where
-        ) from err
+    doc = parse_stored_json(data, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{where} is not dcp_ext metadata", where)
     version = doc.get("version")
-    if version not in READABLE_VERSIONS:
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
         raise CheckpointCorruptError(
             f"{where} has metadata version {version!r}; this dcp_ext reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}. Upgrade dcp_ext to load it.",
@@ -156,11 +203,8 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
             return decoded
         except (CheckpointCorruptError, UnsupportedCodecError):
             raise
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
-            raise CheckpointCorruptError(
-                f"{where} is malformed ({type(err).__name__}: {err}); the metadata file is damaged",
-                where,
-            ) from err
+        except _MALFORMED as err:
+            raise _malformed(err, where) from err
     try:
         state_dict_metadata: dict[str, Any] = {}
         for fqn, entry in doc["state_dict"].items():
@@ -223,16 +267,19 @@ def decode_metadata(data: bytes, where: str) -> DecodedMetadata:
                 )
             storage[index] = item
         metadata = _metadata(doc, state_dict_metadata, storage)
-        world_size = int(doc.get("world_size", 0))
-        created = float(doc.get("created", 0) or 0)
+        world_size = _world_size(doc, where)
+        created = _created(doc, where)
     except CheckpointCorruptError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise CheckpointCorruptError(
-            f"{where} is malformed ({type(err).__name__}: {err}); the metadata file is damaged",
-            where,
-        ) from err
+    except _MALFORMED as err:
+        raise _malformed(err, where) from err
     return DecodedMetadata(metadata, files, world_size, created)
+
+
+def _malformed(err: BaseException, where: str) -> CheckpointCorruptError:
+    """The error for a document whose structure broke a decoder (``err``)."""
+    detail = "nested too deeply" if isinstance(err, RecursionError) else f"{type(err).__name__}: {str(err)[:200]}"
+    return CheckpointCorruptError(f"{where} is malformed ({detail}); the metadata file is damaged", where)
 
 
 def _metadata(doc: dict[str, Any], state_dict_metadata: dict[str, Any], storage: Any) -> Metadata:
@@ -262,14 +309,18 @@ def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
     indexes: dict[str, FrameIndexRef] = {}
     for entry in doc["files"]:
         if not isinstance(entry, list) or len(entry) != 5:
-            raise CheckpointCorruptError(f"{where}: malformed file entry {entry!r}", where)
+            raise CheckpointCorruptError(f"{where}: malformed file entry {_short(entry)}", where)
         name = validate_file_name(entry[0], where)
         size = _nonneg(entry[1], f"size of {name!r}", where)
         at = _nonneg(entry[2], f"frame index offset of {name!r}", where)
         length = _nonneg(entry[3], f"frame index length of {name!r}", where)
         digest = entry[4]
-        if at + length != size or not isinstance(digest, str) or len(digest) != 16:
+        if at + length != size or not isinstance(digest, str) or not _HEX16.fullmatch(digest):
             raise CheckpointCorruptError(f"{where}: file {name!r} has a malformed frame index entry", where)
+        if length > MAX_INDEX_BYTES:
+            raise CheckpointCorruptError(
+                f"{where}: file {name!r} claims a frame index of {length} bytes (at most {MAX_INDEX_BYTES})", where
+            )
         if name in indexes:
             raise CheckpointCorruptError(f"{where}: file {name!r} is listed twice", where)
         names.append(name)
@@ -278,9 +329,10 @@ def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
     codecs = []
     for codec in doc["codecs"]:
         if not isinstance(codec, list) or not codec or not all(isinstance(c, str) for c in codec):
-            raise CheckpointCorruptError(f"{where}: invalid codec {codec!r}", where)
+            raise CheckpointCorruptError(f"{where}: invalid codec {_short(codec)}", where)
         codecs.append(tuple(codec))
-    table = decode_table(doc["chunk_table"], doc.get("chunk_table_codec"), doc["chunk_table_bytes"], where)
+    table = decode_table(doc["chunk_table"], doc.get("chunk_table_codec"), doc["chunk_table_bytes"], where,
+                         needed=_table_extent(doc["state_dict"], where))
     locations = ChunkLocations(names, codecs, sizes, where, incremental=doc.get("version") == INCREMENTAL_VERSION)
     state_dict_metadata: dict[str, Any] = {}
     for fqn, entry in doc["state_dict"].items():
@@ -309,7 +361,27 @@ def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
         locations.add_key(fqn, True, offsets, columns)
     metadata = _metadata(doc, state_dict_metadata, locations)
     files = dict(zip(names, sizes))
-    return DecodedMetadata(metadata, files, int(doc.get("world_size", 0)), float(doc.get("created", 0) or 0), indexes)
+    return DecodedMetadata(metadata, files, _world_size(doc, where), _created(doc, where), indexes)
+
+
+def _table_extent(state_dict: Any, where: str) -> int:
+    """Integers of the chunk table that the keys' ``table`` entries span, from
+    the document alone: the declared table size is checked against it before
+    anything is decompressed, so a small document cannot make a reader
+    allocate a table its keys do not use."""
+    if not isinstance(state_dict, dict):
+        raise CheckpointCorruptError(f"{where}: its state_dict is not an object", where)
+    end = 0
+    for fqn, entry in state_dict.items():
+        if not isinstance(entry, dict):
+            raise CheckpointCorruptError(f"{where}: key {fqn!r} has a malformed entry", where)
+        tensor = entry.get("kind") == "tensor"
+        ndim = len(_int_list(entry.get("size"), f"size of {fqn!r}", where)) if tensor else 0
+        first, rows = table_entry(entry.get("table"), fqn, where)
+        if not tensor and rows != 1:
+            raise CheckpointCorruptError(f"{where}: bytes value {fqn!r} has {rows} chunks", where)
+        end = max(end, first + rows * key_width(ndim))
+    return end
 
 
 def read_incremental_section(data: bytes, where: str) -> IncrementalSection | None:
@@ -321,15 +393,17 @@ def read_incremental_section(data: bytes, where: str) -> IncrementalSection | No
         CheckpointCorruptError: The document is damaged.
     """
     check_integrity(data, where)
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointCorruptError(f"{where} is not valid JSON ({err}); the metadata file is damaged", where) from err
+    doc = parse_stored_json(data, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{where} is not dcp_ext metadata", where)
     if doc.get("version") != INCREMENTAL_VERSION:
         return None
-    return _incremental_section(doc.get("incremental"), where)
+    try:
+        return _incremental_section(doc.get("incremental"), where)
+    except CheckpointCorruptError:
+        raise
+    except _MALFORMED as err:
+        raise _malformed(err, where) from err
 
 
 def _incremental_section(section: Any, where: str) -> IncrementalSection:
@@ -428,8 +502,9 @@ def read_created(head: bytes) -> float | None:
         object.
     """
     value = read_leading_field(head, "created")
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if number else None
+    # NaN, Infinity or 10**400 in a sealed document must not break listing a
+    # whole root (sorting by NaN, float() overflowing): such a time is unknown.
+    return float(value) if _is_time(value) else None
 
 
 def read_leading_field(head: bytes, name: str) -> Any:
@@ -442,7 +517,8 @@ def read_leading_field(head: bytes, name: str) -> Any:
 
     Returns:
         The value; ``None`` if ``head`` ends before it or is not the start of
-        a JSON object.
+        a JSON object. Non-JSON constants (``NaN``, ``Infinity``) come back as
+        the floats Python reads; callers check the value's type and range.
     """
     text = head.decode("utf-8", errors="ignore")  # the cut may split a character
     decoder = json.JSONDecoder()
@@ -468,8 +544,8 @@ def read_leading_field(head: bytes, name: str) -> Any:
             if text.startswith("}", pos):
                 return None
             pos += 1
-    except ValueError:
-        return None  # the head ends inside this member, or it is not JSON
+    except (ValueError, RecursionError):
+        return None  # the head ends inside this member, or it is not JSON (or nested too deeply)
 
 
 def _skip_space(text: str, pos: int) -> int:

@@ -57,8 +57,12 @@ _HEADER = struct.Struct("<6sHIQQ")
 _SOURCES = struct.Struct("<I")
 _HASH = 16
 _TRAILER = struct.Struct("<Q")
-#: A reader never allocates more than this for one file's index, whatever the metadata claims.
+#: Largest frame index a document may record for one file (checked on decode).
 MAX_INDEX_BYTES = 1 << 32
+# An index longer than this is read in steps of it: a local read allocates
+# what it asks for before it finds the file shorter, so a document claiming
+# a 4 GiB index in a 1 KB file must not make it ask for 4 GiB at once.
+_READ_STEP = 4 << 20
 
 
 def frame_count(item: StoredItem) -> int:
@@ -149,6 +153,9 @@ def attach_frame_index(
         end = _HEADER.size + 8 * frames + 4 * compressed
         if magic != _MAGIC or version not in (_VERSION, _VERSION_INCREMENTAL):
             raise ValueError("not a version-1 or version-2 frame index")
+        if end + _TRAILER.size > len(data):  # before any offset is derived from the counts
+            raise ValueError(f"its header claims {frames} frames ({compressed} compressed), more than its "
+                             f"{len(data)} bytes hold")
         if version == _VERSION_INCREMENTAL:
             located = _Located.parse(data, end, frames, ref.at, where)
             end = located.end
@@ -166,7 +173,7 @@ def attach_frame_index(
         if _BIG_ENDIAN:  # pragma: no cover - every supported platform is little-endian
             sums.byteswap()
             lengths.byteswap()
-    except (struct.error, ValueError) as err:
+    except (struct.error, ValueError, OverflowError) as err:
         raise CheckpointCorruptError(f"{where}: its frame index is damaged ({err})", where) from err
     out: list[StoredItem] = []
     s = n = 0
@@ -193,7 +200,7 @@ def attach_frame_index(
             f"metadata's items need {s} ({n})",
             where,
         )
-    aligned: list[StoredItem] = [out[0]] * len(out)
+    aligned: list[StoredItem] = list(out)
     for position, k in enumerate(order):
         aligned[k] = out[position]
     return aligned
@@ -225,8 +232,9 @@ class _Located:
             raise ValueError("its frame locations are cut short")
         try:
             names = json.loads(data[at : at + table_bytes])
-        except (ValueError, UnicodeDecodeError) as err:
-            raise ValueError(f"its table of referenced files is unreadable ({err})") from err
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            detail = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+            raise ValueError(f"its table of referenced files is unreadable ({detail})") from err
         if not isinstance(names, list):
             raise ValueError("its table of referenced files is not a list")
         for name in names:
@@ -282,7 +290,7 @@ def attach_frame_indexes(
     rows = locations.rows_in([ids[n] for n in pending])
 
     def fetch(name: str) -> bytes:
-        return read(name, refs[name])
+        return read_in_steps(read, name, refs[name])
 
     if len(pending) == 1:
         blobs = [fetch(pending[0])]
@@ -294,6 +302,25 @@ def attach_frame_indexes(
         items = [locations.item_at(*row) for row in file_rows]
         full = attach_frame_index(items, data, refs[name], describe(name))
         locations.attach(list(zip(file_rows, full)), name)
+
+
+def read_in_steps(read: Callable[[str, FrameIndexRef], bytes], name: str, ref: FrameIndexRef,
+                  step: int = _READ_STEP) -> bytes:
+    """``read(name, ref)``, in reads of at most ``step`` bytes, stopping at
+    the first short one: memory follows the bytes the file really has, not
+    the length the metadata claims (issue 32, finding 6)."""
+    if ref.length <= step:
+        return read(name, ref)
+    parts: list[bytes] = []
+    at, left = ref.at, ref.length
+    while left:
+        part = read(name, dataclasses.replace(ref, at=at, length=min(step, left)))
+        parts.append(part)
+        if len(part) < min(step, left):
+            break
+        at += len(part)
+        left -= len(part)
+    return b"".join(parts)
 
 
 _BIG_ENDIAN = array("H", [1]).tobytes() != b"\x01\x00"

@@ -31,9 +31,7 @@ not zeros).
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,13 +46,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ._safetensors import MAX_HEADER, SafetensorsHeader, parse_header
+from ._safetensors import SafetensorsHeader, header_prefix, parse_header
 from .errors import CheckpointCorruptError, CheckpointIncompleteError
 from .layout import USER_CONTENT_FILE
 from .metadata import StoredItem, validate_file_name
+from .metadata.stored_json import parse_stored_json
 from .storage import TMP_MARK, Store
 
-__all__ = ["HF_INDEX_FILE", "safetensors_files", "read_safetensors_folder"]
+__all__ = ["HF_INDEX_FILE", "safetensors_files", "read_safetensors_folder", "read_hf_index"]
 
 #: The index torch's ``HuggingFaceStorageWriter`` (and Hugging Face) write.
 HF_INDEX_FILE = "model.safetensors.index.json"
@@ -122,7 +121,7 @@ def read_safetensors_folder(store: Store, names: Sequence[str], concurrency: int
     files = safetensors_files(names) or []
     expected: dict[str, str] = {}
     if HF_INDEX_FILE in names:
-        expected = _read_index(store)
+        expected = read_hf_index(store)
         missing = sorted(set(expected.values()) - set(names))
         if missing:
             raise CheckpointIncompleteError(
@@ -175,27 +174,41 @@ def read_safetensors_folder(store: Store, names: Sequence[str], concurrency: int
     return Metadata(state_dict_metadata=dict(state), storage_data=storage, storage_meta=StorageMeta())
 
 
-def _read_index(store: Store) -> dict[str, str]:
-    """``{key: file}`` of the index, file names checked to stay in the folder."""
-    where = store.describe(HF_INDEX_FILE)
-    try:
-        weight_map = json.loads(store.read_file(HF_INDEX_FILE))["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointCorruptError(f"{where} is not a safetensors index ({type(err).__name__}: {err})", where) from err
-    return {str(key): validate_file_name(file, where) for key, file in weight_map.items()}
+def read_hf_index(store: Store, name: str = HF_INDEX_FILE) -> dict[str, str]:
+    """``{key: file}`` of a folder's ``model.safetensors.index.json``, each
+    file name checked to be a plain name inside the folder.
+
+    The one reader of Hugging Face indexes (loads, ``load_pretrained``,
+    ``dcp-ext ls``), so every malformed one fails the same way (issue 32,
+    finding 7: ``{oops``, ``[]``, ``{"weight_map": []}`` and a list as a
+    file name each raised a different untyped error).
+
+    Raises:
+        CheckpointCorruptError: The index is not JSON, not an object, has no
+            ``weight_map`` object, or maps a key to something that is not a
+            file name (:class:`~dcp_ext._names.UnsafeNameError`); the message
+            names the index file and the field.
+        CheckpointNotFoundError: There is no index.
+    """
+    where = store.describe(name)
+    document = parse_stored_json(store.read_file(name), where, "safetensors index")
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointCorruptError(
+            f"{where} is not a safetensors index: it needs a \"weight_map\" object mapping each tensor to its "
+            f"file (found {type(weight_map if isinstance(document, dict) else document).__name__})",
+            where,
+        )
+    return {
+        str(key): validate_file_name(file, where, f"weight_map file of tensor {str(key)[:100]!r}")
+        for key, file in weight_map.items()
+    }
 
 
 def _read_header(store: Store, name: str) -> SafetensorsHeader:
     """A file's parsed header: one ranged read, two when it is large."""
     where = store.describe(name)
-    head = store.read_head(name, _HEAD)
-    if len(head) >= 8:
-        (length,) = struct.unpack("<Q", head[:8])
-        if length <= MAX_HEADER and len(head) < 8 + length:
-            head = store.read_head(name, 8 + length)
-    return parse_header(head, where)
+    return parse_header(header_prefix(lambda n: store.read_head(name, n), lambda: store.size(name), _HEAD), where)
 
 
 def _saved_offsets(header: SafetensorsHeader, where: str) -> dict[str, tuple[int, ...]]:
@@ -204,11 +217,13 @@ def _saved_offsets(header: SafetensorsHeader, where: str) -> dict[str, tuple[int
     if text is None:
         return {}
     try:
-        info = json.loads(text)
+        info = parse_stored_json(text, where, f"{_SHARDING_KEY} metadata")
         return {
             str(key): tuple(_offset(v) for v in value[_OFFSETS_KEY])
             for key, value in info.items()
         }
+    except CheckpointCorruptError:
+        raise
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointCorruptError(
             f"{where}: its {_SHARDING_KEY} metadata is not torch's per-tensor {_OFFSETS_KEY} "
@@ -218,8 +233,8 @@ def _saved_offsets(header: SafetensorsHeader, where: str) -> dict[str, tuple[int
 
 
 def _offset(value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"offset {value!r} is not a non-negative integer")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 63:
+        raise ValueError(f"offset {str(value)[:40]} is not a non-negative 64-bit integer")
     return value
 
 
@@ -233,6 +248,11 @@ def _tensor_metadata(store: Store, key: str, chunks: list[_Chunk]) -> TensorStor
             store.describe(files[0]),
         )
     size = tuple(max(c.offsets[d] + c.shape[d] for c in chunks) for d in range(len(chunks[0].shape)))
+    if any(n >= 1 << 63 for n in size):
+        raise CheckpointCorruptError(
+            f"{store.url}: tensor {key!r} in {files[:5]} would have the impossible global shape {list(size)}",
+            store.describe(files[0]),
+        )
     seen: dict[tuple[int, ...], str] = {}
     for chunk in chunks:
         if chunk.numel and chunk.offsets in seen:

@@ -23,7 +23,6 @@ are dequantized into the model's dtype with ``dequantize_fp8=True``
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import struct
@@ -43,9 +42,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ._dcp_calls import run_load
-from .metadata import StoredItem, validate_file_name
+from .hf_folder import read_hf_index
+from .metadata import StoredItem
 from ._ranges import Piece, plan_requests
-from ._safetensors import MAX_HEADER, parse_header
+from ._safetensors import header_prefix, parse_header
 from ._torch_format import tensor_bytes
 from .config import IOConfig
 from .full_checksums import FileChecksums, check_file_size, read_checksums
@@ -231,11 +231,9 @@ class FullCheckpointReader(CheckpointReader):
             return self._file_tensors(self._file)
         names = set(store.list_names())
         if _INDEX in names:
-            index = json.loads(store.read_file(_INDEX))
-            files = sorted(set(index.get("weight_map", {}).values()))
             tensors: dict[str, _Tensor] = {}
-            for name in files:
-                tensors.update(self._file_tensors(validate_file_name(name, store.describe(_INDEX))))
+            for name in sorted(set(read_hf_index(store, _INDEX).values())):
+                tensors.update(self._file_tensors(name))
             return tensors
         if _SINGLE in names:
             return self._file_tensors(_SINGLE)
@@ -247,13 +245,10 @@ class FullCheckpointReader(CheckpointReader):
         )
 
     def _file_tensors(self, name: str) -> dict[str, _Tensor]:
-        head = self.store.read_head(name, 64 * 1024)
+        store = self.store
+        head = header_prefix(lambda n: store.read_head(name, n), lambda: store.size(name))
         if head[:4] == b"PK\x03\x04":
             return _torch_save_tensors(self.store, name)
-        if len(head) >= 8:
-            (length,) = struct.unpack("<Q", head[:8])
-            if length <= MAX_HEADER and len(head) < 8 + length:
-                head = self.store.read_head(name, 8 + length)
         header = parse_header(head, self.store.describe(name))
         return {
             t.name: _Tensor(name, t.dtype, t.shape, header.data_start + t.begin) for t in header.tensors
@@ -283,10 +278,14 @@ class _TensorRef:
 
 
 def _rebuild_tensor(storage: _StorageRef, storage_offset: int, size: Any, stride: Any, *rest: Any) -> _TensorRef:
+    if not isinstance(storage, _StorageRef):
+        raise ValueError(f"a tensor is rebuilt from {type(storage).__name__}, not a storage record")
     return _TensorRef(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
 
 
 def _rebuild_parameter(data: _TensorRef, *rest: Any) -> _TensorRef:
+    if not isinstance(data, _TensorRef):
+        raise ValueError(f"a parameter is rebuilt from {type(data).__name__}, not a tensor")
     return data
 
 
@@ -339,8 +338,22 @@ class _LayoutUnpickler(pickle.Unpickler):
         return _StorageRef(str(pid[2]), dtype)
 
 
+#: Largest ``data.pkl`` read (the tensors' layout: a few hundred bytes per tensor).
+MAX_PICKLE_BYTES = 1 << 30
+
+
 def _zip_directory(store: Store, name: str) -> dict[str, tuple[int, int]]:
-    """``{record name: (local header offset, size)}`` from the zip central directory."""
+    """``{record name: (local header offset, size)}`` from the zip central directory.
+
+    Every record is checked to lie inside the file before anything is read:
+    the sizes in a zip directory are claims, and reading a claimed 3 GiB
+    ``data.pkl`` from a 3.8 KB file would allocate 3 GiB before finding the
+    file short (issue 32, finding 6).
+
+    Raises:
+        CheckpointCorruptError: Not a zip archive, or a record claims bytes
+            beyond the end of the file (message: file, record, claim).
+    """
     where = store.describe(name)
     size = store.size(name)
     tail_len = min(size, 65536 + 22)
@@ -354,10 +367,14 @@ def _zip_directory(store: Store, name: str) -> dict[str, tuple[int, int]]:
         if loc < 0:
             raise CheckpointCorruptError(f"{where}: zip64 locator missing", where)
         (eocd64_offset,) = struct.unpack("<Q", tail[loc + 8 : loc + 16])
+        if eocd64_offset + 56 > size:
+            raise CheckpointCorruptError(f"{where}: its zip64 directory record lies outside the file", where)
         eocd64 = store.read_range(name, eocd64_offset, 56)
         cd_size, cd_offset = struct.unpack("<QQ", eocd64[40:56])
     if cd_offset + cd_size > size:
-        raise CheckpointCorruptError(f"{where}: zip directory lies outside the file", where)
+        raise CheckpointCorruptError(
+            f"{where}: its zip directory ({cd_size} bytes at {cd_offset}) lies outside the file ({size} bytes)", where
+        )
     directory = store.read_range(name, cd_offset, cd_size)
     records: dict[str, tuple[int, int]] = {}
     pos = 0
@@ -365,7 +382,7 @@ def _zip_directory(store: Store, name: str) -> dict[str, tuple[int, int]]:
         method, = struct.unpack("<H", directory[pos + 10 : pos + 12])
         csize, usize, n, e, c = struct.unpack("<IIHHH", directory[pos + 20 : pos + 34])
         (local,) = struct.unpack("<I", directory[pos + 42 : pos + 46])
-        record = directory[pos + 46 : pos + 46 + n].decode()
+        record = directory[pos + 46 : pos + 46 + n].decode(errors="replace")
         extra = directory[pos + 46 + n : pos + 46 + n + e]
         values = []
         x = 0
@@ -375,14 +392,24 @@ def _zip_directory(store: Store, name: str) -> dict[str, tuple[int, int]]:
                 values = [struct.unpack("<Q", extra[x + 4 + 8 * i : x + 12 + 8 * i])[0] for i in range(length // 8)]
             x += 4 + length
         it = iter(values)
-        if usize == 0xFFFFFFFF:
-            usize = next(it)
-        if csize == 0xFFFFFFFF:
-            csize = next(it)
-        if local == 0xFFFFFFFF:
-            local = next(it)
+        try:
+            if usize == 0xFFFFFFFF:
+                usize = next(it)
+            if csize == 0xFFFFFFFF:
+                csize = next(it)
+            if local == 0xFFFFFFFF:
+                local = next(it)
+        except StopIteration:
+            raise CheckpointCorruptError(f"{where}: record {record}'s zip64 sizes are missing", where) from None
         if method != 0:
             raise CheckpointCorruptError(f"{where}: record {record} is compressed; torch.save files are not", where)
+        # 30 bytes of local header come first; the data cannot end past the file.
+        if local + 30 + usize > size:
+            raise CheckpointCorruptError(
+                f"{where}: zip record {record} claims {usize} bytes at offset {local}, past the end of the file "
+                f"({size} bytes); the file is truncated or damaged",
+                where,
+            )
         records[record] = (int(local), int(usize))
         pos += 46 + n + e + c
     return records
@@ -390,7 +417,10 @@ def _zip_directory(store: Store, name: str) -> dict[str, tuple[int, int]]:
 
 def _torch_save_tensors(store: Store, name: str) -> dict[str, _Tensor]:
     where = store.describe(name)
-    records = _zip_directory(store, name)
+    try:
+        records = _zip_directory(store, name)
+    except struct.error as err:  # a record cut short
+        raise CheckpointCorruptError(f"{where}: its zip directory is damaged ({err})", where) from err
     pkl = [r for r in records if r.endswith("/data.pkl")]
     if len(pkl) != 1:
         raise CheckpointCorruptError(f"{where} is not a torch.save archive (no data.pkl)", where)
@@ -408,7 +438,15 @@ def _torch_save_tensors(store: Store, name: str) -> dict[str, _Tensor]:
         n, e = struct.unpack("<HH", head[26:30])
         return int(records[record][0] + 30 + n + e)
 
-    pickled = store.read_range(name, data_offset(pkl[0]), records[pkl[0]][1])
+    # Its claimed size is at most the file's (checked in _zip_directory).
+    length = records[pkl[0]][1]
+    if length > MAX_PICKLE_BYTES:
+        raise CheckpointCorruptError(
+            f"{where}: its {pkl[0]} claims {length} bytes; dcp_ext reads tensor layouts of at most "
+            f"{MAX_PICKLE_BYTES} bytes",
+            where,
+        )
+    pickled = store.read_range(name, data_offset(pkl[0]), length)
     try:
         obj = _LayoutUnpickler(pickled, where).load()
     except CheckpointCorruptError:
@@ -416,18 +454,24 @@ def _torch_save_tensors(store: Store, name: str) -> dict[str, _Tensor]:
     except Exception as err:
         raise CheckpointCorruptError(f"{where}: cannot read data.pkl ({err})", where) from err
     flat: dict[str, _TensorRef] = {}
-
-    def walk(node: Any, path: str) -> None:
+    # Iterative, not recursive: a hostile data.pkl nests dicts as deep as it likes.
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        node, path = stack.pop()
         if isinstance(node, _TensorRef):
             flat[path] = node
         elif isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{path}.{k}" if path else str(k))
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in reversed(list(node.items())))
         # other plain values (ints, strings) are not tensors: not loaded here
-
-    walk(obj, "")
     tensors: dict[str, _Tensor] = {}
     for key, ref in flat.items():
+        if len(ref.shape) != len(ref.stride) or min((*ref.shape, ref.offset, 0)) < 0 \
+                or max((*ref.shape, ref.offset, 0)) >= 1 << 63:
+            raise CheckpointCorruptError(
+                f"{where}: tensor {key!r} has an impossible layout (size {ref.shape[:8]}, stride {ref.stride[:8]}, "
+                f"storage offset {ref.offset})",
+                where,
+            )
         expected = 1
         for size, stride in zip(reversed(ref.shape), reversed(ref.stride)):
             if size != 1 and stride != expected:

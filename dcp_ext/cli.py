@@ -23,11 +23,19 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from . import demo
 from .metadata import METADATA_FILE, DecodedMetadata, StoredItem
+from .metadata.decode import MAX_CREATED
 from .metadata.chunk_table import ChunkLocations, KeyTotals
 from ._safetensors import MAX_HEADER, parse_header
 from .config import IOConfig
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    DcpExtError,
+    InvalidOptionError,
+    UnsupportedCodecError,
+)
 from .full import CREATED_KEY
+from .hf_folder import read_hf_index
 from .hf_layout import HF_INDEX_FILE
 from .integrity import read_own_metadata, verify, verify_full
 from .layout import PARTIAL_SUFFIX
@@ -43,10 +51,31 @@ log = logging.getLogger("dcp_ext.cli")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = json.loads(args.storage_options) if args.storage_options else {}
+    options = _storage_options(args.storage_options)
     if args.endpoint_url:
         options.setdefault("client_kwargs", {})["endpoint_url"] = args.endpoint_url
         options.setdefault("config_kwargs", {"s3": {"addressing_style": "path"}})
+    return options
+
+
+def _storage_options(text: str | None) -> dict[str, Any]:
+    """``--storage-options``: a JSON object of fsspec/s3fs options.
+
+    Raises:
+        InvalidOptionError: Not JSON, or not an object (the message names the option).
+    """
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        detail = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+        raise InvalidOptionError(f"--storage-options is not valid JSON ({detail}): {text[:80]!r}") from err
+    if not isinstance(options, dict):
+        raise InvalidOptionError(
+            f"--storage-options must be a JSON object of fsspec/s3fs options (e.g. '{{\"anon\": true}}'), "
+            f"not a {type(options).__name__}: {text[:80]!r}"
+        )
     return options
 
 
@@ -102,9 +131,18 @@ class _ProgressBar:
 
 
 def _created(timestamp: float | None) -> str:
-    if not timestamp:
+    if not timestamp or not 0 < timestamp <= MAX_CREATED:  # the readers refuse the rest; NaN fails both tests
         return ""
     return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _time_or_none(value: object) -> float | None:
+    """A commit time recorded as text (a full checkpoint's header), if it is a plausible one."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if 0 < number <= MAX_CREATED else None
 
 
 def _full_checkpoint_entry(store: Store, name: str) -> dict[str, Any] | None:
@@ -122,8 +160,7 @@ def _full_checkpoint_entry(store: Store, name: str) -> dict[str, Any] | None:
         header = parse_header(store.read_head(name, 8 + int.from_bytes(head, "little")), store.describe(name), size)
     except CheckpointCorruptError:
         return None
-    created = header.metadata.get(CREATED_KEY)
-    return entry | {"format": "safetensors", "created": float(created) if created else None}
+    return entry | {"format": "safetensors", "created": _time_or_none(header.metadata.get(CREATED_KEY))}
 
 
 def _hf_folder_entry(root: CheckpointRoot, tag: str) -> dict[str, Any]:
@@ -132,9 +169,9 @@ def _hf_folder_entry(root: CheckpointRoot, tag: str) -> dict[str, Any]:
     entry: dict[str, Any] = {"tag": tag, "state": "full", "format": "hf", "newest": False, "stored_bytes": None,
                              "ratio": 1.0, "world_size": None, "mesh": None, "created": store.modified(HF_INDEX_FILE)}
     try:
-        files = sorted(set(json.loads(store.read_file(HF_INDEX_FILE))["weight_map"].values()))
+        files = sorted(set(read_hf_index(store).values()))
         return entry | {"stored_bytes": sum(store.size(f) for f in files)}
-    except (DcpExtError, ValueError, KeyError, TypeError, AttributeError):
+    except DcpExtError:
         return entry | {"state": "damaged"}
 
 
@@ -145,15 +182,17 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
                              "ratio": None, "world_size": None, "mesh": None, "created": None}
     try:
         decoded = _load_metadata(path, options)
+        totals = _key_totals(decoded.metadata).values()
     except FileNotFoundError:
         store = open_store(path, IOConfig.from_env(), options)
         if store.exists(RETIRED_FILE):  # deleted; keeps the files later incremental checkpoints refer to
             kept = [n for n in store.list_tree() if n.endswith(".distcp")]
             return entry | {"state": "retired", "stored_bytes": sum(store.size(n) for n in kept)}
         return entry | {"state": "incomplete"}
-    except CheckpointCorruptError:
-        return entry | {"state": "damaged"}
-    totals = _key_totals(decoded.metadata).values()
+    except (CheckpointCorruptError, UnsupportedCodecError) as err:
+        # One damaged (or hostile) tag must not hide the others: it is listed as such.
+        log.warning("%s: %s", tag, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return entry | {"state": "damaged", "problem": str(err)}
     data = sum(t.data_bytes for t in totals)
     entry.update(stored_bytes=sum(decoded.files.values()), ratio=sum(t.raw_bytes for t in totals) / data if data else 1.0,
                  world_size=decoded.world_size, created=decoded.created)
@@ -164,8 +203,8 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
         mesh = json.loads(open_store(path, IOConfig.from_env(), options).read_file("partition.json")).get("mesh")
         if mesh:
             entry["mesh"] = dict(zip(mesh.get("dim_names") or [], mesh.get("shape") or []))
-    except (CheckpointNotFoundError, ValueError, AttributeError):
-        pass
+    except (DcpExtError, ValueError, TypeError, AttributeError, RecursionError):
+        pass  # the mesh column is informative; a damaged partition.json is reported when the tag is loaded
     return entry
 
 

@@ -7,6 +7,8 @@ next, so memory stays at about the largest tensor.
 
 from __future__ import annotations
 
+import os
+import posixpath
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -15,12 +17,13 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from .config import IOConfig
+from .errors import InvalidPathError
 from .full import FullTensorSpec, commit_with_checksums, full_layout, stream_full_checkpoint
 from .full_checksums import ChecksumRecorder
 from .reader import CheckpointReader
-from .storage import Store
+from .storage import Store, normalize_path
 
-__all__ = ["export_partial", "exported_keys", "whole_tensor_items"]
+__all__ = ["export_partial", "exported_keys", "whole_tensor_items", "refuse_output_in_source"]
 
 
 class _IntoTensor:
@@ -38,6 +41,40 @@ class _IntoTensor:
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass
+
+
+def _location(path: str) -> str:
+    """A comparable form of a path or URL: a local path resolved (symbolic
+    links, ``..``, relative to the working directory), a URL normalized."""
+    text = normalize_path(path)
+    if "://" in text:
+        scheme, _, rest = text.partition("://")
+        scheme = "s3" if scheme in ("s3a", "s3n") else scheme
+        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
+    return os.path.realpath(text)
+
+
+def refuse_output_in_source(source: str, output: str) -> None:
+    """Refuse an export whose output is its source checkpoint or lies inside it.
+
+    ``dcp-ext export X_partial X_partial/model_rank0.distcp --overwrite``
+    replaced the data file it was reading and exited 0 (issue 32, finding
+    11); an output folder inside the source would mix files into it.
+
+    Args:
+        source: The checkpoint directory read.
+        output: The file or folder to write (path or URL).
+
+    Raises:
+        InvalidPathError: ``output`` is ``source`` or lies inside it.
+    """
+    src, out = _location(source), _location(output)
+    if out == src or out.startswith(src.rstrip("/") + "/"):
+        raise InvalidPathError(
+            f"export output {output} lies in the checkpoint it exports ({source}): writing it would destroy "
+            f"the source; choose an output outside {source}",
+            output,
+        )
 
 
 def exported_keys(keys: Sequence[str], include_optimizer: bool) -> list[tuple[str, str]]:
@@ -97,7 +134,11 @@ def export_partial(
 
     Returns:
         Bytes written.
+
+    Raises:
+        InvalidPathError: ``target/name`` is ``source`` or lies inside it.
     """
+    refuse_output_in_source(source, target.describe(name))
     reader = CheckpointReader(source, storage_options=storage_options, config=config)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)

@@ -54,6 +54,7 @@ from ._hf_sources import LiveState, StoredState, check_cpu_backend
 from ._safetensors import build_header
 from .config import IOConfig
 from .errors import CheckpointExistsError
+from .export import refuse_output_in_source
 from .full_checksums import FOLDER_SIDECAR, encode_sidecar
 from .hf_layout import (
     HF_CONFIG_FILE,
@@ -305,6 +306,7 @@ def export_hf(
 
     Raises:
         As :func:`save_hf`; and the reader's errors for a missing or damaged source.
+        InvalidPathError: ``path`` is ``source`` or a folder inside it.
     """
     return write_partial(source, path, include_optimizer=include_optimizer, max_shard_size=max_shard_size,
                          dtype=dtype, config_json=config_json, overwrite=overwrite, process_group=process_group,
@@ -361,6 +363,7 @@ def write_partial(
     bytes of tensor data this rank writes."""
     started = time.perf_counter()
     _check_dtype(dtype)
+    refuse_output_in_source(os.fspath(source), os.fspath(path))
     group = GroupView(process_group)
     io_config = config or IOConfig.from_env()
     store = open_store(path, io_config, storage_options)

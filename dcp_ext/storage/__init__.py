@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from ..config import IOConfig
+from ..errors import InvalidPathError
 from ._base import TMP_MARK, IncompleteUpload, IOStats, IOStatsSnapshot, ObjectWriter, Store
 from .fsspec_store import FsspecStore
 from .local import LocalStore
@@ -37,10 +38,21 @@ _S3_SCHEMES = ("s3://", "s3a://", "s3n://")
 
 
 def normalize_path(path: str | os.PathLike[str]) -> str:
-    """The checkpoint location as a string: a local path or an fsspec URL."""
+    """The checkpoint location as a string: a local path or an fsspec URL.
+
+    Raises:
+        InvalidPathError: ``path`` is empty (or ``file://`` alone). An empty
+            string would name the current directory, where a save writes and
+            leftover cleanup deletes (issue 32): pass ``"."`` to mean it.
+    """
     text = os.fspath(path)
     if text.startswith("file://"):
         text = text[len("file://"):]
+    if not text:
+        raise InvalidPathError(
+            f"empty checkpoint path {os.fspath(path)!r}: pass a directory or URL (\".\" for the current directory)",
+            os.fspath(path),
+        )
     return text
 
 

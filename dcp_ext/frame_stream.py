@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.checkpoint.planner import ReadItem
 
+from .errors import DcpExtError
 from .frames import FrameReader, FrameStats, ItemRead, frame_table
 from .metadata import StoredItem
 from .storage.local import LocalFile, LocalStore
@@ -84,6 +85,8 @@ class FrameStream:
             ChecksumMismatchError: A frame fails its checksum (the message names
                 the file, byte range, key and frame).
             CheckpointCorruptError: A file is shorter than the metadata says.
+            CheckpointReplacedError: The checkpoint was replaced or removed
+                since the reader read its metadata.
             StorageError: (or a subclass) A read failed.
         """
         where = self.reader.describe(info.relative_path)
@@ -92,8 +95,16 @@ class FrameStream:
         for k in range(len(table)):
             frame = table.frame(k)
             view = self._view(frame.stored_length)
-            self._file(frame.file).read_into(frame.stored_offset, view)
-            self._frames.check(context, frame, view)
+            try:
+                self._file(frame.file).read_into(frame.stored_offset, view)
+                self._frames.check(context, frame, view)
+            except DcpExtError as err:
+                # A short read or a bad checksum because the checkpoint was
+                # replaced meanwhile is not damage (issue 32, finding 12).
+                replaced = self.reader.replaced_error(err)
+                if replaced is not err:
+                    raise replaced from err
+                raise
             yield view
 
     def _view(self, nbytes: int) -> memoryview:

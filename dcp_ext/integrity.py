@@ -300,6 +300,11 @@ def verify_full(
     )
 
 
+# One region to check: its key, its item, where it lies, the buffer it is read
+# into and the check of its bytes ("" when they are right).
+_Region = tuple[MetadataIndex, StoredItem, FrameSpan, memoryview, Callable[[memoryview], str]]
+
+
 @dataclass(frozen=True)
 class _Checked:
     frames: int
@@ -325,29 +330,59 @@ def _check_frames(
     done = frames = unchecked = 0
     # (key, item, region, buffer, check): a region is a frame, or the
     # torch.save envelope around an uncompressed tensor (index -1).
-    batch: list[tuple[MetadataIndex, StoredItem, FrameSpan, memoryview, Callable[[memoryview], str]]] = []
+    batch: list[_Region] = []
     batch_bytes = 0
+
+    def read(entries: list[_Region]) -> None:
+        pieces = [Piece(region.file or item.relative_path, region.stored_offset, buf) for _, item, region, buf, _ in entries]
+        reader.read_requests(plan_requests(pieces, gap=store.coalesce_gap, max_request=config.read_request_size))
+
+    def unreadable(entries: list[_Region]) -> set[int]:
+        """Positions in ``entries`` that cannot be read, each reported.
+
+        One read of the whole batch first; when it fails, each file's regions
+        on their own, and a failing file's region by region: a broken file
+        (say, a truncated earlier checkpoint's file that an incremental one
+        refers to) must not make healthy frames of other files, or its own
+        frames before the damage, look unreadable (issue 32, finding 12)."""
+        try:
+            read(entries)
+            return set()
+        except DcpExtError:
+            pass
+        by_file: dict[str, list[int]] = {}
+        for position, (_, item, region, _, _) in enumerate(entries):
+            by_file.setdefault(region.file or item.relative_path, []).append(position)
+        failed: set[int] = set()
+        for positions in by_file.values():
+            try:
+                read([entries[p] for p in positions])
+                continue
+            except DcpExtError:
+                pass
+            for position in positions:
+                index, item, region, _, _ = entries[position]
+                try:
+                    read([entries[position]])
+                except DcpExtError as err:
+                    problems.append(_problem(item, region, index, f"cannot be read ({err})"))
+                    failed.add(position)
+        return failed
 
     def run_batch() -> None:
         nonlocal done, frames, batch_bytes
         if not batch:
             return
-        pieces = [Piece(region.file or item.relative_path, region.stored_offset, buf) for _, item, region, buf, _ in batch]
-        try:
-            reader.read_requests(plan_requests(pieces, gap=store.coalesce_gap, max_request=config.read_request_size))
-        except DcpExtError as err:
-            # A read failing as a whole (e.g. the file changed meanwhile): report
-            # every region of the batch rather than stopping.
-            for index, item, region, _, _ in batch:
-                problems.append(_problem(item, region, index, f"cannot be read ({err})"))
-        else:
-            for index, item, region, buf, check in batch:
-                reason = check(buf)
-                if reason:
-                    problems.append(_problem(item, region, index, reason))
-                if region.index >= 0:
-                    frames += 1
-                done += region.stored_length
+        failed = unreadable(batch)
+        for position, (index, item, region, buf, check) in enumerate(batch):
+            if position in failed:
+                continue
+            reason = check(buf)
+            if reason:
+                problems.append(_problem(item, region, index, reason))
+            if region.index >= 0:
+                frames += 1
+            done += region.stored_length
         batch.clear()
         batch_bytes = 0
         if progress is not None:

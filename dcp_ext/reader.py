@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -70,6 +71,7 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     DcpExtError,
     NotACheckpointError,
 )
@@ -231,6 +233,9 @@ class CheckpointReader(StorageReader):
         self._tables: dict[MetadataIndex, FrameTable] = {}
         self._frames = FrameReader()
         self._dcp_rank: int | None = None
+        # The metadata file the current load started from and the xxh3-64 of
+        # its bytes: a read that fails is checked against it (replaced_error).
+        self._metadata_seen: tuple[str, int] | None = None
         self._gc_lease: GcLease | None = None
         self.last_exchange: Exchange | None = None
 
@@ -278,6 +283,42 @@ class CheckpointReader(StorageReader):
             return self.sibling_store(directory), file
         return self.store, name
 
+    def replaced_error(self, err: DcpExtError) -> DcpExtError:
+        """``err``, or a :class:`~dcp_ext.errors.CheckpointReplacedError` when
+        the read failed because the checkpoint changed under it.
+
+        A load that races a save with ``overwrite=True`` (or a deletion) of
+        the same checkpoint reads frame indexes and data of files that are no
+        longer the ones its metadata describes, and used to be told that they
+        are damaged (issue 32, finding 12). On a failed read the metadata
+        file is read again (one small read, on failures only): if it is gone
+        or its bytes differ from those the load started from, that is the
+        error to report; the files are not damaged.
+
+        Args:
+            err: The error a read of this checkpoint raised.
+        """
+        seen = self._metadata_seen
+        if seen is None or not isinstance(err, (CheckpointCorruptError, CheckpointNotFoundError)):
+            return err
+        name, digest = seen
+        try:
+            now: bytes | None = self.store.read_file(name)
+        except CheckpointNotFoundError:
+            now = None
+        except DcpExtError:
+            return err  # cannot tell: the original error stands
+        if now is not None and xxhash.xxh3_64_intdigest(now) == digest:
+            return err
+        what = "removed (its metadata is gone)" if now is None else "replaced (its metadata changed)"
+        return CheckpointReplacedError(
+            f"checkpoint {self.path} was {what} while this load was reading it (a save with overwrite=True, "
+            f"or a deletion): its files no longer match the metadata the load started from, and the state "
+            f"dict may be partly filled. The files are not damaged: load again (or another checkpoint). "
+            f"The read failed with: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+            self.path,
+        )
+
     def stored_item(self, read_item: ReadItem) -> Any:
         """(after :meth:`set_up_storage_reader`) Where the stored chunk
         ``read_item`` reads from lies: a :class:`StoredItem` with its frames
@@ -285,8 +326,16 @@ class CheckpointReader(StorageReader):
 
         Raises:
             CheckpointCorruptError: The metadata has no such chunk.
+            CheckpointReplacedError: Its frame index no longer matches: the
+                checkpoint was replaced since ``read_metadata``.
         """
-        return self._info(read_item)
+        try:
+            return self._info(read_item)
+        except DcpExtError as err:
+            replaced = self.replaced_error(err)
+            if replaced is not err:
+                raise replaced from err
+            raise
 
     @property
     def frame_stats(self) -> FrameStats:
@@ -309,6 +358,7 @@ class CheckpointReader(StorageReader):
                 self.path = new_path
                 self._store = None
         self.load_id = uuid.uuid4().hex
+        self._metadata_seen = None
         self.storage_data = {}
         self._frame_indexes = {}
         self.incremental = None
@@ -348,6 +398,7 @@ class CheckpointReader(StorageReader):
             except CheckpointNotFoundError:
                 pass
         if raw is not None:
+            self._metadata_seen = (METADATA_FILE, xxhash.xxh3_64_intdigest(raw))
             decoded = decode_metadata(raw, store.describe(METADATA_FILE))
             self._frame_indexes = decoded.frame_indexes
             self.incremental = decoded.incremental
@@ -361,6 +412,7 @@ class CheckpointReader(StorageReader):
             if safetensors_files(names) is None:
                 raise self.missing_metadata_error() from None
             return read_safetensors_folder(store, names, self.config.max_concurrency)
+        self._metadata_seen = (TORCH_METADATA_FILE, xxhash.xxh3_64_intdigest(raw))
         metadata = load_torch_metadata(raw, store.describe(TORCH_METADATA_FILE))
         where = store.describe(TORCH_METADATA_FILE)
         if not isinstance(metadata.storage_data, dict):
@@ -523,10 +575,19 @@ class CheckpointReader(StorageReader):
                     except DcpExtError as err:
                         # DCP's own collective after read_data fails too when a
                         # rank died, hiding this error; dcp_ext.load raises it.
-                        self.last_error = err
+                        replaced = self.replaced_error(err)
+                        self.last_error = replaced
+                        if replaced is not err:
+                            raise replaced from err
                         raise
                 else:
-                    self._read_all(plan, planner)
+                    try:
+                        self._read_all(plan, planner)
+                    except DcpExtError as err:
+                        replaced = self.replaced_error(err)
+                        if replaced is not err:
+                            raise replaced from err
+                        raise
         finally:
             self.end_gc_lease()
         release_free_memory()

@@ -236,6 +236,8 @@ class CheckpointReader(StorageReader):
         # The metadata file the current load started from and the xxh3-64 of
         # its bytes: a read that fails is checked against it (replaced_error).
         self._metadata_seen: tuple[str, int] | None = None
+        # Sizes of data files, looked up once per load (torch-written items only).
+        self._file_sizes: dict[str, int] = {}
         self._gc_lease: GcLease | None = None
         self.last_exchange: Exchange | None = None
 
@@ -359,6 +361,7 @@ class CheckpointReader(StorageReader):
                 self._store = None
         self.load_id = uuid.uuid4().hex
         self._metadata_seen = None
+        self._file_sizes = {}
         self.storage_data = {}
         self._frame_indexes = {}
         self.incremental = None
@@ -425,6 +428,13 @@ class CheckpointReader(StorageReader):
                     where,
                 )
             validate_file_name(info.relative_path, where)
+            if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63
+                       for v in (info.offset, info.length)):
+                raise CheckpointCorruptError(
+                    f"{where}: an item of {info.relative_path!r} has offset {str(info.offset)[:40]} and length "
+                    f"{str(info.length)[:40]}; both must be non-negative 64-bit integers",
+                    where,
+                )
         return metadata
 
     def _shared_metadata_bytes(self) -> bytes | None:
@@ -940,6 +950,7 @@ class CheckpointReader(StorageReader):
         # Resolved before any byte is read: an unknown extension fails fast.
         extensions = stream_extensions(self.extension_registry, descriptors, where, fqn) if descriptors else []
         span = (info.offset, info.offset + info.length)
+        self._check_torch_item(info, where, fqn)
         buffer = bytearray(info.length)
         piece = Piece(info.relative_path, info.offset, memoryview(buffer))
 
@@ -965,6 +976,26 @@ class CheckpointReader(StorageReader):
             planner.commit_tensor(read_item, target)
 
         return _Pending([piece], info.length, finish)
+
+    def _check_torch_item(self, info: _StorageInfo, where: str, fqn: str) -> None:
+        """Refuse a torch-written item that claims bytes its file does not
+        have, before its buffer is allocated: torch's ``.metadata`` records
+        each item's length, and a damaged or hostile one must not make a rank
+        allocate gigabytes to find the file short (issue 32, finding 6).
+
+        Raises:
+            CheckpointCorruptError: The item lies past the end of its file.
+        """
+        size = self._file_sizes.get(info.relative_path)
+        if size is None:
+            size = self._file_sizes[info.relative_path] = self.store.size(info.relative_path)
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+            raise CheckpointCorruptError(
+                f"{where}: {TORCH_METADATA_FILE} puts {fqn!r} at bytes [{info.offset}, {info.offset + info.length}), "
+                f"past the end of the file ({size} bytes); refusing to read it. The checkpoint is truncated or its "
+                f"metadata is damaged",
+                where,
+            )
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

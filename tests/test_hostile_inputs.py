@@ -12,9 +12,11 @@ small. Each failed on commit 1139fbb (see the docstrings).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -24,7 +26,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import dcp_ext
@@ -121,6 +125,24 @@ def test_frame_index_claimed_larger_than_its_file_allocates_nothing(tmp_path: Pa
     assert caught.type is CheckpointCorruptError
     message = str(caught.value)
     assert str(ck / doc["files"][0][0]) in message and "3221225472 bytes" in message, message
+
+
+def test_torch_metadata_item_claiming_3_gib_allocates_nothing(tmp_path: Path) -> None:
+    """A checkpoint written by torch's FileSystemWriter whose ``.metadata``
+    gives an item a length of 3 GiB in a 1.6 KB file. 1139fbb: the item's
+    buffer was allocated first (tracemalloc peak 3.0 GiB), then the short
+    read reported. Now: checked against the file's size first; peak < 1 MiB;
+    the error names the file, the key and the claimed range."""
+    ck = tmp_path / "ck"
+    dcp.save({"w": torch.ones(8)}, storage_writer=FileSystemWriter(str(ck)))
+    metadata = pickle.loads((ck / ".metadata").read_bytes())
+    metadata.storage_data = {k: dataclasses.replace(v, length=3 * GiB) for k, v in metadata.storage_data.items()}
+    (ck / ".metadata").write_bytes(pickle.dumps(metadata))
+    with peak_python_memory() as peak, pytest.raises(Exception) as caught:
+        dcp_ext.load({"w": torch.zeros(8)}, ck)
+    assert peak[0] < MiB, peak[0]
+    assert caught.type is CheckpointCorruptError
+    assert f"{ck / '__0_0.distcp'}: .metadata puts 'w' at bytes [0, 3221225472), past the end" in str(caught.value)
 
 
 # -- finding 7: numbers JSON allows but a commit time or a world size cannot be -------------

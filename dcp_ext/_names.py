@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import CheckpointCorruptError
+from .errors import UnsafeNameError
 
 __all__ = ["UnsafeNameError", "validate_relative_name", "validate_name_part", "MAX_NAME_LENGTH"]
 
@@ -20,12 +20,6 @@ MAX_NAME_LENGTH = 1024
 # One path component: starts with a letter, digit or underscore (never ".",
 # so no hidden files and no ".."), then letters, digits and . _ - .
 _PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._\-]{0,254}")
-
-
-class UnsafeNameError(CheckpointCorruptError):
-    """A file name read from storage is not a plain relative name: it is
-    absolute, contains ``..``, an empty or hidden part, a line break, a NUL
-    or another odd character, and could name something outside its directory."""
 
 
 def validate_name_part(part: object, where: str, what: str = "name") -> str:

@@ -24,8 +24,11 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointExistsError",
     "CheckpointInProgressError",
+    "CheckpointInUseError",
+    "ForeignCheckpointError",
     "PostCommitError",
     "CheckpointCorruptError",
+    "UnsafeNameError",
     "StoragePermissionError",
     "CredentialsError",
     "StorageError",
@@ -94,6 +97,17 @@ class CheckpointInProgressError(DcpExtError, FileExistsError):
     exists and is not older than an hour)."""
 
 
+class CheckpointInUseError(DcpExtError, FileExistsError):
+    """A checkpoint cannot be deleted, rewritten or overwritten now: a save in
+    progress builds on it, or another committed checkpoint refers to its
+    data files (incremental saves). Nothing was changed."""
+
+
+class ForeignCheckpointError(DcpExtError, PermissionError):
+    """The files were not written by dcp_ext (a checkpoint saved by torch's
+    own writer, say): dcp_ext deletes only what it wrote."""
+
+
 class PostCommitError(DcpExtError, RuntimeError):
     """The checkpoint committed (it is complete and loadable), but a step after
     the commit failed: moving ``newest`` or applying retention. Every rank of
@@ -102,6 +116,13 @@ class PostCommitError(DcpExtError, RuntimeError):
 
 class CheckpointCorruptError(DcpExtError, ValueError):
     """Metadata or data does not match what the checkpoint says it holds."""
+
+
+class UnsafeNameError(CheckpointCorruptError):
+    """A file name read from storage is not a plain relative name: it is
+    absolute, contains ``..``, an empty or hidden part, a line break, a NUL
+    or another odd character, and could name something outside its directory
+    (checked by :func:`dcp_ext._names.validate_relative_name`)."""
 
 
 class ChecksumMismatchError(CheckpointCorruptError):

@@ -245,7 +245,8 @@ def decode_sidecar(raw: bytes, where: str) -> dict[str, FileChecksums]:
                 tensors[str(name)] = TensorChecksums(str(name), offset, length, frame_size, sums)
             files[str(file)] = FileChecksums(str(file), int(entry["size"]), frame_size, tensors)
         return files
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as err:
+        # OverflowError: Infinity in an int field; RecursionError: deeply nested brackets.
         raise CheckpointCorruptError(f"{where} is not a valid checksum sidecar: {err}", where) from err
 
 

@@ -100,5 +100,5 @@ def decode_user_content(data: bytes, where: str) -> Any:
                 else torch.empty(entry.shape, dtype=entry.dtype)
             )
         return decode_tree(tree, {"__tensor__": tensors.__getitem__})
-    except (KeyError, ValueError, TypeError, RuntimeError) as err:
+    except (KeyError, ValueError, TypeError, RuntimeError, OverflowError) as err:  # RecursionError is a RuntimeError
         raise CheckpointCorruptError(f"{where} is not valid dcp_ext user content: {err}", where) from err

@@ -29,6 +29,17 @@ Hugging Face exports (:mod:`dcp_ext.hf_export`) add:
 * ``before_hf_index``: the coordinator has committed every weights file, the
   checksum sidecar and ``config.json``; the index is not yet written.
 
+Pause points widen a window for tests of concurrent jobs:
+``DCP_EXT_PAUSE_AT=point`` with ``DCP_EXT_PAUSE_FILE=PATH`` makes the process,
+at any of the crash points above, create ``PATH.reached`` and wait (at most
+:data:`PAUSE_LIMIT` seconds) until ``PATH`` exists, so a test can run another
+job, or a CLI command, at exactly that moment.
+
+Maintenance (:mod:`dcp_ext.compact`) adds:
+
+* ``mid_compact``: a compaction has written its new data files; the
+  checkpoint's metadata still names the old ones.
+
 Failure points raise :class:`InjectedFailure` instead of killing the process
 (``DCP_EXT_FAIL_AT=point``), for tests of how the other ranks react to one
 rank's error:
@@ -43,16 +54,22 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
-__all__ = ["crash_point", "fail_point", "InjectedFailure", "reload", "POINTS", "TIER_POINTS", "HF_POINTS", "FAIL_POINTS"]
+__all__ = ["crash_point", "fail_point", "InjectedFailure", "reload", "POINTS", "TIER_POINTS", "HF_POINTS",
+           "MAINTENANCE_POINTS", "FAIL_POINTS"]
 
 POINTS = ("before_data", "mid_data", "after_data", "before_metadata", "before_newest", "mid_retention")
 TIER_POINTS = ("mid_local_commit", "mid_replication", "mid_drain", "before_drain_commit")
 HF_POINTS = ("mid_hf_file", "before_hf_index")
+MAINTENANCE_POINTS = ("mid_compact",)
 FAIL_POINTS = ("mid_exchange", "mid_hf_export")
 
 _armed: frozenset[str] = frozenset()
 _failing: frozenset[str] = frozenset()
+_pause_at: str | None = None
+#: Longest wait at a pause point (a test that never says go must not hang CI).
+PAUSE_LIMIT = 120.0
 
 
 class InjectedFailure(RuntimeError):
@@ -64,10 +81,10 @@ def reload() -> None:
     global _armed
     raw = os.environ.get("DCP_EXT_CRASH_AT", "")
     names = frozenset(p.strip() for p in raw.split(",") if p.strip())
-    unknown = names - set(POINTS) - set(TIER_POINTS) - set(HF_POINTS)
+    unknown = names - set(POINTS) - set(TIER_POINTS) - set(HF_POINTS) - set(MAINTENANCE_POINTS)
     if unknown:
         raise ValueError(f"DCP_EXT_CRASH_AT names unknown crash points {sorted(unknown)}; "
-                         f"known: {POINTS + TIER_POINTS + HF_POINTS}")
+                         f"known: {POINTS + TIER_POINTS + HF_POINTS + MAINTENANCE_POINTS}")
     _armed = names
     global _failing
     failing = frozenset(p.strip() for p in os.environ.get("DCP_EXT_FAIL_AT", "").split(",") if p.strip())
@@ -75,12 +92,31 @@ def reload() -> None:
         raise ValueError(f"DCP_EXT_FAIL_AT names unknown failure points {sorted(failing - set(FAIL_POINTS))}; "
                          f"known: {FAIL_POINTS}")
     _failing = failing
+    global _pause_at
+    pause = os.environ.get("DCP_EXT_PAUSE_AT", "").strip()
+    if pause and pause not in POINTS + TIER_POINTS + HF_POINTS + MAINTENANCE_POINTS:
+        raise ValueError(f"DCP_EXT_PAUSE_AT names an unknown point {pause!r}; known: {POINTS + TIER_POINTS + HF_POINTS + MAINTENANCE_POINTS}")
+    _pause_at = pause or None
 
 
 def crash_point(name: str) -> None:
-    """Die here (SIGKILL, no cleanup of any kind) if ``name`` is armed."""
+    """Die here (SIGKILL, no cleanup of any kind) if ``name`` is armed; pause
+    here if it is the pause point."""
     if name in _armed:
         os.kill(os.getpid(), signal.SIGKILL)
+    if name == _pause_at:
+        _pause()
+
+
+def _pause() -> None:
+    go = os.environ.get("DCP_EXT_PAUSE_FILE", "")
+    if not go:
+        raise ValueError("DCP_EXT_PAUSE_AT needs DCP_EXT_PAUSE_FILE")
+    with open(go + ".reached", "w"):
+        pass
+    deadline = time.monotonic() + PAUSE_LIMIT
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def fail_point(name: str) -> None:

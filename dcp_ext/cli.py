@@ -41,7 +41,6 @@ from .integrity import read_own_metadata, verify, verify_full
 from .layout import PARTIAL_SUFFIX
 from .pretrained import HF_MARKERS
 from .retention import KeepEvery, KeepLast, RetentionPolicy
-from .compact import compact
 from .root import RETIRED_FILE, CheckpointRoot
 from .storage import Store, join_path, normalize_path, open_store
 
@@ -434,17 +433,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    options = _options(args)
-    root = _open_root(args.root, options)
-    directory = args.tag + PARTIAL_SUFFIX
-    others = {file for d, file in root.referenced_files(exclude={args.tag}) if d == directory}
-    report = compact(root.partial_url(args.tag), storage_options=options, referenced_elsewhere=others)
-    removed = root.sweep_retired()
+    root = _open_root(args.root, _options(args))
+    report = root.compact(args.tag)
     if not report.changed:
         print(f"{root.partial_url(args.tag)} refers to no other checkpoint: nothing to do")
         return 0
     print(f"{report.path}: rewrote {len(report.rewritten)} data file(s), copied {_size(report.copied_bytes)} from "
-          f"earlier checkpoints" + (f"; removed retired {', '.join(removed)}" if removed else ""))
+          f"earlier checkpoints" + (f"; kept {len(report.kept_old)} replaced file(s) that other checkpoints "
+                                    f"refer to" if report.kept_old else ""))
     return 0
 
 
@@ -492,14 +488,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     storage(p)
-    p = commands.add_parser("prune", help="delete old partial checkpoints, keeping the newest N")
+    p = commands.add_parser(
+        "prune", help="delete old partial checkpoints, keeping the newest N (safe while training saves to the root: "
+                      "a checkpoint a save in progress builds on, or that others refer to, stays)")
     p.add_argument("root", help="checkpoint root")
     p.add_argument("--keep", type=int, required=True, help="partial checkpoints to keep (newest is always kept)")
     p.add_argument("--keep-every", type=int, default=0, metavar="K",
                    help="also keep every checkpoint whose step (last number in its tag) is a multiple of K")
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     storage(p)
-    p = commands.add_parser("compact", help="rewrite an incremental checkpoint so it refers to no other")
+    p = commands.add_parser(
+        "compact", help="rewrite an incremental checkpoint so it refers to no other (safe while training saves to "
+                        "the root: refused while a save to TAG or one building on it is in progress)")
     p.add_argument("root", help="checkpoint root")
     p.add_argument("tag", help="the checkpoint to rewrite")
     storage(p)

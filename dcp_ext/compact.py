@@ -5,16 +5,20 @@ in earlier checkpoints' data files. :func:`compact` copies those frames into
 new data files of the checkpoint itself, checking each frame's checksum on the
 way, and then commits a new metadata document that names the new files and
 refers to nothing. The files it replaced are deleted unless another committed
-checkpoint refers to them; earlier checkpoints' files that only this one used
-become unreferenced and are removed by the next retention pass or save
+checkpoint refers to them (those are removed by a later leftover pass once
+nothing does); earlier checkpoints' files that only this one used become
+unreferenced and are removed by the next retention pass or save
 (``CheckpointRoot.sweep_retired``).
 
 Crash safety: the new files get new names, and the old document stays the
 commit until the new one replaces it in one write, so a crash at any point
 leaves the checkpoint loadable (at worst with unused new files beside it).
 
-Which ranks call what: one process (the manager's coordinator, or the CLI's
-``dcp-ext compact``); no save may run on the same root meanwhile.
+Which ranks call what: one process. Within a root, call it through
+:meth:`dcp_ext.root.CheckpointRoot.compact` (the manager's ``compact``, the
+CLI's ``dcp-ext compact``), which takes the checkpoint's save lock, refuses
+while a save builds on it, and keeps every replaced file that another
+checkpoint refers to.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from ._failpoints import crash_point
 from ._ranges import Piece, plan_requests
 from .config import IOConfig
 from .errors import ChecksumMismatchError
@@ -74,6 +80,7 @@ def compact(
     storage_options: dict[str, Any] | None = None,
     config: IOConfig | None = None,
     referenced_elsewhere: set[str] | None = None,
+    before_write: Callable[[], None] | None = None,
 ) -> CompactReport:
     """Make the checkpoint at ``path`` self-contained (see the module docstring).
 
@@ -84,6 +91,9 @@ def compact(
         referenced_elsewhere: This checkpoint's data file names that other
             checkpoints refer to (kept after the rewrite); the manager passes
             them. ``None``: keep every replaced file (the caller cannot tell).
+        before_write: Called before the first new file is written, when
+            there is something to rewrite (the root marks the directory as
+            holding strays, so that a kill mid-way is cleaned up).
 
     Returns:
         What was rewritten; nothing for a checkpoint that refers to no other.
@@ -110,6 +120,8 @@ def compact(
     for index in locations:
         item = locations[index]
         by_file.setdefault(item.relative_path, []).append((index, item))
+    if before_write is not None:
+        before_write()
     stamp = uuid.uuid4().hex[:8]
     items: dict[MetadataIndex, StoredItem] = {}
     rewritten: list[tuple[str, str]] = []
@@ -125,6 +137,7 @@ def compact(
         items.update(written)
         copied += nbytes
         rewritten.append((name, new_name))
+    crash_point("mid_compact")
     document = encode_metadata(
         decoded.metadata, items, world_size=decoded.world_size, version=3,
         incremental={"base": None, "chain": 0, "references": []},

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from .config import IOConfig
+from .leases import Lease
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .metadata import METADATA_FILE, IncrementalSection, StoredItem, decode_metadata
 from .metadata.chunk_table import ChunkLocations
@@ -82,6 +83,9 @@ class IncrementalSave:
         max_chain: Incremental saves allowed since the last self-contained one.
         base_metadata: The base's metadata document, read once by the
             coordinator and shared (``None``: each rank reads it).
+        lease: (coordinator) The root lease that pins the base while the
+            save is in flight (:mod:`dcp_ext.leases`); the writer ends it
+            after the commit or the failure.
     """
 
     base_url: str | None = None
@@ -89,6 +93,12 @@ class IncrementalSave:
     base_tag: str | None = None
     max_chain: int = DEFAULT_MAX_CHAIN
     base_metadata: bytes | None = dataclasses.field(default=None, repr=False)
+    lease: Lease | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def end_lease(self) -> None:
+        """(coordinator) End the lease, if this save holds one (idempotent)."""
+        if self.lease is not None:
+            self.lease.end()
 
     def __post_init__(self) -> None:
         if self.max_chain < 0:

@@ -60,9 +60,10 @@ referenced files with the new tag's references included, so the base's
 files stay (retired, :meth:`~dcp_ext.root.CheckpointRoot.delete_partial`)
 as long as a kept tag refers to them; a kill during retention is handled
 as for any save (the retired marker is written before anything is
-deleted). As with plain incremental saves, no other job may delete tags
-in the same root while a drain runs (the check before the commit that
-every referenced file exists narrows, but cannot close, that window).
+deleted). As with plain incremental saves, the drain holds a root lease on its
+base from before it reads it until it commits (:mod:`dcp_ext.leases`), so
+another job's retention, ``compact`` or cleanup on the same root leaves the
+base and every file it refers to alone.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .leases import Lease
+from .save_lock import lock_state
 from ._failpoints import crash_point
 from ._names import validate_relative_name
 from .config import IOConfig
@@ -146,31 +149,51 @@ class RewrittenFiles:
 
 
 def choose_base(persistent: CheckpointRoot, tag: str, local_document: bytes, local_where: str,
-                max_chain: int) -> DrainBase:
+                max_chain: int, leases: list[Lease] | None = None) -> DrainBase:
     """(coordinator, under the drain's lock) The base of the drain of ``tag``:
     the tag the root's ``newest`` names, if it is committed there, recorded
     frame hashes, and may be built on (``max_chain``,
     :func:`~dcp_ext.incremental.restart_reason`); and only if the local copy
-    of ``tag`` recorded hashes too. Else a :class:`DrainBase` without a tag."""
+    of ``tag`` recorded hashes too. Else a :class:`DrainBase` without a tag.
+
+    As for an incremental save, a root lease on the base is taken before the
+    base's save lock is checked and its metadata read (:mod:`dcp_ext.leases`),
+    and appended to ``leases``: the drain ends it once it has committed."""
     none = DrainBase(max_chain=max_chain)
     if read_incremental_section(local_document, local_where) is None:
         return none  # saved without hashes: nothing to compare
     base = persistent.newest_record()
     if base is None or base == tag:
         return none
-    store = persistent.partial_store(base)
+    lease = Lease(persistent.url, tag, base, persistent.config, persistent.storage_options)
     try:
+        lease.take()
+        store = persistent.partial_store(base)
+        state = lock_state(store)
+        if state is not None and state.live:
+            log.info("drain of %s: copying every frame, the root's newest %s is being changed (%s)",
+                     tag, base, state.reason)
+            lease.end()
+            return none
         document = store.read_file(METADATA_FILE)
         section = read_incremental_section(document, store.describe(METADATA_FILE))
     except DcpExtError as err:
         log.info("drain of %s: copying every frame, the root's newest %s is not readable: %s", tag, base, err)
+        lease.end()
         return none
+    except BaseException:
+        lease.end()
+        raise
     if section is None or section.chain + 1 > max_chain:
+        lease.end()
         return none
     reason = restart_reason(section)
     if reason is not None:
         log.info("drain of %s: starting a new chain rather than building on %s: %s", tag, base, reason)
+        lease.end()
         return none
+    if leases is not None:
+        leases.append(lease)
     return DrainBase(base, document, max_chain)
 
 

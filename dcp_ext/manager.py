@@ -51,12 +51,13 @@ from torch import nn
 
 from ._dcp_calls import AsyncSaveHandle, run_load, run_save, start_async_save
 from .codecs import Codec, resolve_codec
-from .compact import CompactReport, compact
+from .compact import CompactReport
 from .config import IOConfig
 from .errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     DcpExtError,
     NotACheckpointError,
     PostCommitError,
@@ -77,7 +78,8 @@ from .layout import (
     user_content_name,
     validate_tag,
 )
-from .metadata import METADATA_FILE, read_incremental_section
+from .leases import Lease
+from .metadata import METADATA_FILE, TORCH_METADATA_FILE, read_incremental_section
 from .model_registry import with_registered
 from .nodes import NodeMap
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
@@ -86,6 +88,7 @@ from .process_group import GroupView
 from .reader import CheckpointReader
 from .retention import KeepLast, RetentionPolicy
 from .root import CheckpointRoot
+from .save_lock import lock_state
 from .staging import Stager
 from .storage import Store, join_path, normalize_path, open_store
 from .storage.tiered import TieredStore
@@ -499,19 +502,25 @@ class CheckpointManager:
         planner = LayoutSavePlanner(self.mesh, self.group.global_ranks(), key_prefixes=self.config.key_prefixes)
         # Both steps are picklable objects, not closures: a process-based
         # upload runs them in DCP's checkpoint process.
+        incremental = self._incremental_save(tag) if self.incremental else None
         writer = CheckpointWriter(
             self.checkpoints.partial_url(tag), storage_options=self.storage_options,
             overwrite=overwrite, config=self.config, before_commit=_CommitFiles(user_content, planner),
             after_commit=_PostCommit(self.checkpoints, tag, policy), compression=self.compression,
-            incremental=self._incremental_save(tag) if self.incremental else None,
+            incremental=incremental,
         )
-        if not async_save:
-            run_save(state, writer, planner, self.process_group)
-            return None
-        if self.stager is None:
-            self.stager = Stager(share_memory=self.async_uploads == "process")
-        handle = start_async_save(state, writer, planner, self._background_group(), stager=self.stager,
-                                  uploads=self.async_uploads)
+        try:
+            if not async_save:
+                run_save(state, writer, planner, self.process_group)
+                return None
+            if self.stager is None:
+                self.stager = Stager(share_memory=self.async_uploads == "process")
+            handle = start_async_save(state, writer, planner, self._background_group(), stager=self.stager,
+                                      uploads=self.async_uploads)
+        except BaseException:
+            if incremental is not None:
+                incremental.end_lease()  # the writer ends it on its own failures; this covers the rest
+            raise
         with self._lock:
             self._pending = handle
         return handle
@@ -520,28 +529,68 @@ class CheckpointManager:
         """(all ranks) The base of an incremental save of ``tag``: the tag
         ``newest`` names and its metadata document, read by the coordinator
         and broadcast (every rank compares with the same checkpoint, and
-        storage serves one GET of the document, not one per rank)."""
-        base, document = self.group.run_on_coordinator(self._incremental_base)
+        storage serves one GET of the document, not one per rank). The
+        coordinator's copy holds the root lease that pins the base until the
+        save ends (:mod:`dcp_ext.leases`)."""
+        leases: list[Lease] = []
+        base, document = self.group.run_on_coordinator(lambda: self._incremental_base(tag, leases))
         if base is None or base == tag:  # never build on the checkpoint being replaced
             return IncrementalSave(max_chain=self.max_chain)
-        return IncrementalSave(self.checkpoints.partial_url(base), partial_dir(base), base, self.max_chain, document)
+        return IncrementalSave(self.checkpoints.partial_url(base), partial_dir(base), base, self.max_chain, document,
+                               lease=leases[0] if leases else None)
 
-    def _incremental_base(self) -> tuple[str | None, bytes | None]:
-        """(coordinator) The tag ``newest`` names and its metadata document
-        (``None`` if unreadable: each rank then tries, and writes everything if it fails too)."""
-        base = self.checkpoints.newest_record()
-        if base is None:
-            return None, None
-        store = self.checkpoints.partial_store(base)
-        try:
-            document = store.read_file(METADATA_FILE)
-            reason = restart_reason(read_incremental_section(document, store.describe(METADATA_FILE)))
-        except DcpExtError:
-            return base, None
-        if reason is not None:
-            log.info("incremental save: starting a new chain rather than building on %s: %s", base, reason)
-            return None, None
-        return base, document
+    def _incremental_base(self, tag: str, leases: list[Lease]) -> tuple[str | None, bytes | None]:
+        """(coordinator) The base of the incremental save of ``tag`` and its
+        metadata document, or ``(None, None)`` to write every frame.
+
+        The base is the tag ``newest`` names; if that is not a valid,
+        committed tag (an empty or damaged ``newest``), the newest committed
+        one, with a warning, as :meth:`resume` does. Its lease is written
+        before its save lock is checked and its metadata read, so that no
+        deleter can remove what this save will refer to (appended to ``leases``).
+        """
+        checkpoints = self.checkpoints
+        base = checkpoints.newest_record()
+        if base is not None and not _valid_tag(base):
+            base = checkpoints.newest()  # warns
+        for attempt in range(2):
+            if base is None or base == tag:
+                return None, None
+            lease = Lease(checkpoints.url, tag, base, self.config, self.storage_options)
+            lease.take()
+            store = checkpoints.partial_store(base)
+            try:
+                state = lock_state(store)
+                if state is not None and state.live:
+                    log.info("incremental save of %s: writing every frame, since %s is being changed (%s)",
+                             tag, base, state.reason)
+                    lease.end()
+                    return None, None
+                document = store.read_file(METADATA_FILE)
+                reason = restart_reason(read_incremental_section(document, store.describe(METADATA_FILE)))
+            except CheckpointNotFoundError:
+                lease.end()
+                if attempt == 0:  # newest names a tag that is not committed: as resume does
+                    base = checkpoints.newest()  # warns
+                    continue
+                return None, None
+            except DcpExtError as err:
+                # As read_base says it when a rank finds its base damaged.
+                logging.getLogger("dcp_ext.incremental").warning(
+                    "incremental save of %s: writing every frame, since its base %s is damaged or unreadable: %s",
+                    tag, store.url, err)
+                lease.end()
+                return None, None
+            except BaseException:
+                lease.end()
+                raise
+            if reason is not None:
+                log.info("incremental save: starting a new chain rather than building on %s: %s", base, reason)
+                lease.end()
+                return None, None
+            leases.append(lease)
+            return base, document
+        return None, None
 
     def _background_group(self) -> Any:
         """(all ranks; collective the first time) The group for collectives
@@ -771,7 +820,7 @@ class CheckpointManager:
         for attempt in range(_RESUME_ATTEMPTS):
             try:
                 return self._resume_partial(tag, model, optimizer, strict, allow_dtype_cast)
-            except (CheckpointNotFoundError, NotACheckpointError) as err:
+            except (CheckpointNotFoundError, NotACheckpointError, CheckpointReplacedError) as err:
                 # Retention of a concurrent save can delete the tag we are
                 # reading (every rank sees the failure: DCP propagates it).
                 # If newest has moved on, load that one instead.
@@ -884,8 +933,9 @@ class CheckpointManager:
 
         def small_files() -> tuple[bytes | None, bytes | None]:
             # Read by the coordinator before the data and shared, so that a
-            # tag deleted meanwhile fails on every rank alike.
-            if not reader.store.exists(METADATA_FILE):
+            # tag deleted meanwhile fails on every rank alike. A checkpoint
+            # written by torch's own writers has its .metadata only.
+            if not reader.store.exists(METADATA_FILE) and not reader.store.exists(TORCH_METADATA_FILE):
                 raise reader.missing_metadata_error()
             return _read_optional(reader.store, PARTITION_FILE), _read_optional(reader.store, USER_CONTENT_FILE)
 
@@ -952,22 +1002,22 @@ class CheckpointManager:
         self.checkpoints.delete(tag, partial=partial, full=full)
 
     def compact(self, tag: str) -> CompactReport:
-        """(one process, e.g. the coordinator; no save in flight on this root)
-        Rewrite the incremental checkpoint ``tag`` self-contained: the frames
-        it refers to in earlier checkpoints' files are copied into new files
-        of its own (see :mod:`dcp_ext.compact`). Earlier checkpoints' files
-        that nothing refers to any more are then removed.
+        """(one process, e.g. the coordinator) Rewrite the incremental
+        checkpoint ``tag`` self-contained: the frames it refers to in earlier
+        checkpoints' files are copied into new files of its own (see
+        :mod:`dcp_ext.compact`). Earlier checkpoints' files that nothing
+        refers to any more are then removed. Safe while other jobs save to
+        the root (:meth:`dcp_ext.root.CheckpointRoot.compact`).
 
         Returns:
             What was rewritten (nothing for a checkpoint that refers to no other).
+
+        Raises:
+            CheckpointInUseError: A save to ``tag``, or one that builds on it, is in progress.
         """
         validate_tag(tag)
         self.wait()
-        directory = partial_dir(tag)
-        others = {file for d, file in self.checkpoints.referenced_files(exclude={tag}) if d == directory}
-        report = compact(self.checkpoints.partial_url(tag), storage_options=self.storage_options, config=self.config,
-                         referenced_elsewhere=others)
-        self.checkpoints.sweep_retired()
+        report: CompactReport = self.checkpoints.compact(tag)
         return report
 
     def export(
@@ -1197,6 +1247,14 @@ def _root_refers(root: CheckpointRoot, tag: str) -> bool:
         return refers_elsewhere(store.read_file(METADATA_FILE), store.describe(METADATA_FILE))
     except (DcpExtError, OSError):
         return False
+
+
+def _valid_tag(tag: str) -> bool:
+    try:
+        validate_tag(tag)
+    except DcpExtError:
+        return False
+    return True
 
 
 def _read_optional(store: Store, name: str) -> bytes | None:

@@ -1,8 +1,31 @@
 """A checkpoint root on storage: its committed tags, ``newest``, deletion, leftovers, retention.
 
 Used by :class:`~dcp_ext.CheckpointManager` (on the coordinator) and by the
-CLI's ``ls`` and ``prune``; every method is plain I/O by one process, no
-collectives. The layout it reads and writes is described in :mod:`dcp_ext.layout`.
+CLI's ``ls``, ``prune`` and ``compact``; every method is plain I/O by one
+process, no collectives. The layout it reads and writes is described in
+:mod:`dcp_ext.layout`.
+
+**The one rule for deleting or rewriting files in a root.** A file stays
+while any committed checkpoint or any save in progress refers to it, and
+only what dcp_ext wrote is ever deleted. Every step that deletes or
+rewrites (:meth:`CheckpointRoot.delete`, retention, :meth:`CheckpointRoot.compact`,
+leftover cleanup, and an ``overwrite=True`` save through
+:class:`~dcp_ext.CheckpointWriter`) goes the same way:
+
+1. take the save lock (:mod:`dcp_ext.save_lock`) of every directory it will
+   change, so that no save writes there meanwhile (a directory whose lock a
+   live save holds is left alone, or the step is refused);
+2. only then read the live leases of saves in flight (:mod:`dcp_ext.leases`)
+   and the committed checkpoints' references (:meth:`CheckpointRoot.scan`);
+3. leave alone a checkpoint that a live save builds on (``compact`` and an
+   overwrite are refused with :class:`~dcp_ext.errors.CheckpointInUseError`),
+   and keep every data file a committed checkpoint refers to;
+4. un-commit (metadata first), delete, release the locks.
+
+A directory is dcp_ext's to clean up only if it carries dcp_ext's mark: its
+metadata, a save lock (live, abandoned or released), or the retired marker.
+A directory with torch's ``.metadata`` and no dcp_ext metadata is a torch
+checkpoint: it is listed, loadable and never deleted by dcp_ext.
 """
 
 from __future__ import annotations
@@ -10,15 +33,22 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 import warnings
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import save_lock
 from ._failpoints import crash_point
 from .config import IOConfig
-from .errors import CheckpointNotFoundError, DcpExtError
+from .errors import (
+    CheckpointInProgressError,
+    CheckpointInUseError,
+    CheckpointNotFoundError,
+    DcpExtError,
+    ForeignCheckpointError,
+)
 from .full_checksums import FOLDER_SIDECAR
 from .hf_layout import HF_CONFIG_FILE, HF_INDEX_FILE, is_shard_name
 from .layout import (
@@ -33,23 +63,54 @@ from .layout import (
     user_content_name,
     validate_tag,
 )
-from .metadata import METADATA_FILE, TORCH_METADATA_FILE, read_created, read_incremental_section, read_leading_field
-from .metadata.document import INCREMENTAL_VERSION, split_reference
+from .leases import LiveLease, is_lease_name, live_leases
+from .metadata import (
+    METADATA_FILE,
+    TORCH_METADATA_FILE,
+    decode_metadata,
+    read_created,
+    read_incremental_section,
+    read_leading_field,
+)
+from .metadata.document import INCREMENTAL_VERSION, REFERENCE_PREFIX, split_reference
 from .retention import RetentionPolicy, select_for_deletion
+from .save_lock import SaveLock
 from .storage import TMP_MARK, Store, join_path, normalize_path, open_store
 
-__all__ = ["CheckpointRoot", "LeftoverReport", "RETIRED_FILE"]
+__all__ = ["CheckpointRoot", "LeftoverReport", "RootScan", "RETIRED_FILE", "strays_marker"]
 
 log = logging.getLogger("dcp_ext.root")
 
-# Files dcp_ext writes in a partial checkpoint directory; deletion touches nothing else.
-_OWN_FILES = (METADATA_FILE, TORCH_METADATA_FILE, PARTITION_FILE, USER_CONTENT_FILE)
+# Files dcp_ext writes in a partial checkpoint directory beside its data
+# files; deletion touches nothing else. Torch's .metadata is removed first
+# when a checkpoint is un-committed, dcp_ext's own metadata (the commit) last.
+_OWN_FILES = (TORCH_METADATA_FILE, METADATA_FILE, PARTITION_FILE, USER_CONTENT_FILE)
 # Enough of the metadata document to hold its "created" field (written near its start).
 _HEAD_BYTES = 512
 #: Written in a partial directory whose checkpoint was deleted while later
 #: (incremental) checkpoints still refer to some of its data files: the
 #: directory keeps only those, and is removed once nothing refers to them.
 RETIRED_FILE = "dcp_ext.retired.json"
+_STRAYS_PREFIX = ".dcp_ext.strays."
+_STRAYS_SUFFIX = ".json"
+
+
+def strays_marker(tag: str) -> str:
+    """The root-level marker ``.dcp_ext.strays.{tag}.json``: the committed
+    directory of ``tag`` may hold data files its metadata does not name (a
+    compaction or an overwrite killed before removing the files it
+    replaced, or replaced files another checkpoint still refers to).
+    Leftover cleanup removes those files once nothing refers to them, then
+    the marker."""
+    return f"{_STRAYS_PREFIX}{validate_tag(tag)}{_STRAYS_SUFFIX}"
+
+
+def _marked_tag(name: str) -> str | None:
+    """The tag of a root-level strays marker name, else ``None``."""
+    if not name.startswith(_STRAYS_PREFIX) or not name.endswith(_STRAYS_SUFFIX):
+        return None
+    tag = name[len(_STRAYS_PREFIX): -len(_STRAYS_SUFFIX)]
+    return tag if _valid(tag) else None
 
 
 @dataclass(frozen=True)
@@ -62,12 +123,56 @@ class LeftoverReport:
         uploads: Incomplete multipart uploads aborted (object stores), by object name.
         retired: Retired directories removed because no committed checkpoint
             refers to their files any more (incremental saves).
+        strays: Data files removed from committed directories that no longer
+            name them (killed compactions and overwrites), as ``dir/file``.
     """
 
     temp_files: tuple[str, ...] = ()
     uncommitted: tuple[str, ...] = ()
     uploads: tuple[str, ...] = ()
     retired: tuple[str, ...] = ()
+    strays: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RootScan:
+    """What may not be deleted or rewritten in a root, read after the locks were taken.
+
+    Attributes:
+        heads: Committed checkpoints (dcp_ext's), oldest first, each with
+            the first bytes of its metadata.
+        references: For each committed incremental checkpoint, the
+            ``(directory, file)`` of every data file it refers to.
+        leases: The live leases of saves in flight.
+    """
+
+    heads: tuple[tuple[TagInfo, bytes], ...] = ()
+    references: dict[str, frozenset[tuple[str, str]]] = field(default_factory=dict)
+    leases: tuple[LiveLease, ...] = ()
+
+    @property
+    def committed(self) -> set[str]:
+        return {info.tag for info, _ in self.heads}
+
+    def referenced(self, exclude: Collection[str] = ()) -> set[tuple[str, str]]:
+        """``(directory, file)`` of every data file that a committed
+        checkpoint other than those in ``exclude`` refers to."""
+        found: set[tuple[str, str]] = set()
+        for tag, refs in self.references.items():
+            if tag not in exclude:
+                found |= refs
+        return found
+
+    def pinned_by(self, tag: str) -> str | None:
+        """Why ``tag`` must stay as it is (a live save builds on it), or ``None``."""
+        for lease in self.leases:
+            if lease.base is None:
+                return f"a save in progress whose lease cannot be read ({lease.state.reason})"
+            if lease.base == tag:
+                record = lease.state.record
+                saving = f"{record.tag!r} " if record is not None and record.tag else ""
+                return f"the save of {saving}builds on it ({lease.state.reason})"
+        return None
 
 
 class CheckpointRoot:
@@ -110,10 +215,11 @@ class CheckpointRoot:
         return self.store.root_exists()
 
     # -- what is there ---------------------------------------------------------------
-    def partial_tags(self) -> list[str]:
-        """Tags of every ``{tag}_partial`` directory, committed or not."""
+    def partial_tags(self, dirs: Iterable[str] | None = None) -> list[str]:
+        """Tags of every ``{tag}_partial`` directory, committed or not
+        (``dirs``: the root's directory listing, if the caller has it)."""
         tags = []
-        for name in self.store.list_dirs():
+        for name in self.store.list_dirs() if dirs is None else dirs:
             if name.endswith(PARTIAL_SUFFIX):
                 try:
                     tags.append(validate_tag(name[: -len(PARTIAL_SUFFIX)]))
@@ -156,20 +262,27 @@ class CheckpointRoot:
         store.remove_root_if_empty()
 
     def committed(self) -> list[TagInfo]:
-        """Committed partial checkpoints, oldest first."""
+        """Committed partial checkpoints written by dcp_ext, oldest first."""
         return [info for info, _ in self._committed_heads()]
 
-    def _committed_heads(self) -> list[tuple[TagInfo, bytes]]:
+    def _committed_heads(self, dirs: Iterable[str] | None = None) -> list[tuple[TagInfo, bytes]]:
         """Committed partial checkpoints, oldest first, each with the first
         bytes of its metadata (one listing, one small read per checkpoint)."""
         found = []
-        for tag in self.partial_tags():
+        for tag in self.partial_tags(dirs):
             try:
                 head = self.partial_store(tag).read_head(METADATA_FILE, _HEAD_BYTES)
             except CheckpointNotFoundError:
-                continue  # never committed (failed or running save)
+                continue  # never committed (failed or running save), or a torch checkpoint
             found.append((TagInfo(tag, read_created(head) or 0.0), head))
         return sorted(found, key=lambda entry: (entry[0].committed_at, entry[0].tag))
+
+    def is_torch_checkpoint(self, tag: str) -> bool:
+        """Whether ``{tag}_partial`` holds a checkpoint committed by torch's own
+        writers (its ``.metadata``, no dcp_ext metadata): loadable, never
+        deleted by dcp_ext."""
+        store = self.partial_store(tag)
+        return not store.exists(METADATA_FILE) and store.exists(TORCH_METADATA_FILE)
 
     # -- newest --------------------------------------------------------------------
     def newest_record(self) -> str | None:
@@ -202,80 +315,31 @@ class CheckpointRoot:
         crash_point("before_newest")
         self.store.write_file(NEWEST_FILE, f"{validate_tag(tag)}\n".encode())
 
-    # -- deletion --------------------------------------------------------------------
-    def delete(self, tag: str, *, partial: bool = True, full: bool = True) -> None:
-        """Delete a checkpoint's files written by dcp_ext (nothing else).
+    # -- what must stay ----------------------------------------------------------------
+    def scan(self) -> RootScan:
+        """What may not be deleted or rewritten now: the live leases of saves
+        in flight and what every committed checkpoint refers to.
 
-        Raises:
-            ValueError: ``tag`` is the target of ``newest`` (partial).
-        """
-        validate_tag(tag)
-        if partial:
-            if self.newest_record() == tag:
-                raise ValueError(f"{tag!r} is the newest checkpoint; save a newer one before deleting it")
-            referenced = self.referenced_files(exclude={tag})
-            self.delete_partial(tag, referenced)
-            self.sweep_retired(referenced)
-        if full:
-            if tag in self.store.list_dirs():  # a Hugging Face folder (full_format="hf")
-                self.delete_hf_folder(tag)
-            else:
-                # The sidecar first: checksums never outlive the file they describe.
-                self.store.delete(tag + CHECKSUMS_SUFFIX)
-                self.store.delete(tag)
-            self.store.delete(user_content_name(tag))
-
-    def delete_partial(self, tag: str, referenced: Collection[tuple[str, str]] | None = None) -> None:
-        """Delete ``{tag}_partial``: the commit marker first, so a half-deleted
-        checkpoint is never mistaken for a committed one.
-
-        Data files that another committed checkpoint refers to (incremental
-        saves) stay: the directory then keeps only them, marked retired
-        (:data:`RETIRED_FILE`, written before anything is deleted), until
-        nothing refers to them.
-
-        Args:
-            tag: The checkpoint to delete.
-            referenced: ``(directory, file)`` of every data file the
-                checkpoints that stay refer to (default: read from every
-                other committed checkpoint's metadata).
-        """
-        if referenced is None:
-            referenced = self.referenced_files(exclude={tag})
-        store = self.partial_store(tag)
-        directory = partial_dir(tag)
-        keep = {file for d, file in referenced if d == directory}
-        if keep:
-            store.write_file(RETIRED_FILE, json.dumps({"tag": tag, "kept": sorted(keep)}).encode())
-        for name in _OWN_FILES:
-            store.delete(name)
-        crash_point("mid_retention")
-        for name in store.list_tree():  # data files under key prefixes too
-            if name in keep:
-                continue
-            if name.endswith(DATA_SUFFIX) or TMP_MARK in name or name == save_lock.LOCK_FILE:
-                store.delete(name)
-        if not keep:
-            store.delete(RETIRED_FILE)
-            store.remove_root_if_empty()
-
-    def referenced_files(
-        self, exclude: Collection[str] = (), heads: list[tuple[TagInfo, bytes]] | None = None
-    ) -> set[tuple[str, str]]:
-        """``(directory, file)`` of every data file that a committed checkpoint
-        (other than those in ``exclude``) refers to (incremental saves).
-        Only incremental (version 4) documents are read whole: the first bytes
-        of the others (``heads``, from the listing, if the caller has them)
-        already say that they refer to nothing.
+        Call it *after* taking the save locks of the directories you will
+        change (see the module docstring): the leases are read before the
+        committed checkpoints, so a save that ends meanwhile is seen either
+        by its lease or by its commit. Only incremental (version 4)
+        documents are read whole.
 
         Raises:
             CheckpointCorruptError: An incremental checkpoint's metadata cannot
                 be read: what it refers to is unknown, so nothing may be deleted.
         """
-        found: set[tuple[str, str]] = set()
-        for info, head in self._committed_heads() if heads is None else heads:
-            if info.tag in exclude:
-                continue
+        names, dirs = self.store.list_entries()
+        listed = [name for name in names if is_lease_name(name)]
+        leases = live_leases(self.store, listed)
+        if len(leases) < len(listed):
+            # A save ended between the listing and the read of its lease: its
+            # committed directory may be newer than the listing.
+            dirs = self.store.list_dirs()
+        heads = self._committed_heads(dirs)
+        references: dict[str, frozenset[tuple[str, str]]] = {}
+        for info, head in heads:
             version = read_leading_field(head, "version")
             if isinstance(version, int) and not isinstance(version, bool) and version != INCREMENTAL_VERSION:
                 continue  # only incremental checkpoints (version 4) refer to other files
@@ -286,8 +350,29 @@ class CheckpointRoot:
                 continue  # deleted meanwhile
             section = read_incremental_section(data, store.describe(METADATA_FILE))
             if section is not None:
-                found.update(split_reference(name, store.describe(METADATA_FILE)) for name in section.references)
-        return found
+                references[info.tag] = frozenset(
+                    split_reference(name, store.describe(METADATA_FILE)) for name in section.references)
+        return RootScan(tuple(heads), references, tuple(leases))
+
+    def referenced_files(
+        self, exclude: Collection[str] = (), heads: list[tuple[TagInfo, bytes]] | None = None
+    ) -> set[tuple[str, str]]:
+        """``(directory, file)`` of every data file that a committed checkpoint
+        (other than those in ``exclude``) refers to (incremental saves).
+
+        A query: a caller that deletes uses :meth:`scan` after taking its locks.
+
+        Raises:
+            CheckpointCorruptError: An incremental checkpoint's metadata cannot be read.
+        """
+        del heads  # the scan lists and reads the heads itself
+        return self.scan().referenced(exclude)
+
+    def referrers(self, tag: str, scan: RootScan) -> list[str]:
+        """The committed tags (in ``scan``) that refer to data files of ``tag``."""
+        directory = partial_dir(tag)
+        return sorted(other for other, refs in scan.references.items()
+                      if other != tag and any(d == directory for d, _ in refs))
 
     def retired_tags(self) -> list[str]:
         """Tags whose directory is retired: deleted, but holding data files a
@@ -295,14 +380,147 @@ class CheckpointRoot:
         return [t for t in self.partial_tags()
                 if self.partial_store(t).exists(RETIRED_FILE) and not self.partial_store(t).exists(METADATA_FILE)]
 
-    def sweep_retired(
-        self, referenced: Collection[tuple[str, str]] | None = None, retired: Collection[str] | None = None
+    # -- deletion --------------------------------------------------------------------
+    def delete(self, tag: str, *, partial: bool = True, full: bool = True) -> None:
+        """Delete a checkpoint's files written by dcp_ext (nothing else).
+
+        Data files of the partial checkpoint that other committed checkpoints
+        refer to (incremental saves) stay, in a retired directory, until
+        nothing refers to them.
+
+        Raises:
+            ValueError: ``tag`` is the target of ``newest`` (partial).
+            CheckpointInUseError: A save to ``tag`` or one that builds on it is in progress.
+            ForeignCheckpointError: ``{tag}_partial`` was written by torch's own writers.
+        """
+        validate_tag(tag)
+        if partial:
+            if self.newest_record() == tag:
+                raise ValueError(f"{tag!r} is the newest checkpoint; save a newer one before deleting it")
+            if self.is_torch_checkpoint(tag):
+                raise ForeignCheckpointError(
+                    f"{self.partial_url(tag)} was written by torch's own writer (it has .metadata and no "
+                    f"{METADATA_FILE}); dcp_ext deletes only what it wrote: delete it yourself",
+                    self.partial_url(tag),
+                )
+            self._delete_tags([tag], refuse=True)
+            self.sweep_retired()
+        if full:
+            if tag in self.store.list_dirs():  # a Hugging Face folder (full_format="hf")
+                self.delete_hf_folder(tag)
+            else:
+                # The sidecar first: checksums never outlive the file they describe.
+                self.store.delete(tag + CHECKSUMS_SUFFIX)
+                self.store.delete(tag)
+            self.store.delete(user_content_name(tag))
+
+    def delete_partial(self, tag: str) -> None:
+        """Delete ``{tag}_partial`` by the one rule (see :meth:`delete`); a
+        committed ``tag`` stays if a save in progress builds on it.
+
+        Raises:
+            CheckpointInUseError: A save to ``tag`` or one that builds on it is in progress.
+        """
+        self._delete_tags([validate_tag(tag)], refuse=True)
+
+    def _lock(self, tag: str, purpose: str, refuse: bool) -> SaveLock | None:
+        """Take the save lock of ``{tag}_partial`` for a deleting step (taking
+        over an abandoned one); ``None`` (or, with ``refuse``,
+        :class:`CheckpointInUseError`) when a live save holds it."""
+        lock = SaveLock(self.partial_store(tag), f"{purpose}-{uuid.uuid4().hex}")
+        try:
+            lock.acquire()
+        except CheckpointInProgressError as err:
+            if refuse:
+                raise CheckpointInUseError(f"cannot {purpose} {tag!r} now: {err}", self.partial_url(tag)) from err
+            log.info("not touching %s now (%s): %s", partial_dir(tag), purpose, err)
+            return None
+        return lock
+
+    def _delete_tags(
+        self, tags: Iterable[str], *, refuse: bool, heads: dict[str, bytes] | None = None
     ) -> list[str]:
-        """Delete what no committed checkpoint refers to any more in retired
-        directories (and the directories left empty).
+        """Delete the committed checkpoints ``tags`` by the one rule: lock,
+        scan, leave a leased base (or refuse), un-commit, delete what no
+        kept checkpoint refers to.
 
         Args:
-            referenced: As for :meth:`delete_partial` (default: read).
+            tags: The tags to delete.
+            refuse: Raise :class:`CheckpointInUseError` for a tag that cannot
+                go now (else it is left for a later pass).
+            heads: The first bytes of each tag's metadata when it was chosen
+                (retention): a tag that changed since (overwritten) stays.
+
+        Returns:
+            The tags deleted.
+        """
+        locks: dict[str, SaveLock] = {}
+        try:
+            for tag in tags:
+                lock = self._lock(tag, "delete", refuse)
+                if lock is not None:
+                    locks[tag] = lock
+            if not locks:
+                return []
+            scan = self.scan()
+            # Retention chose from heads it read after newest: a tag saved again since
+            # shows in its head. An explicit delete checked newest before the lock.
+            newest = self.newest_record() if heads is None else None
+            current = {info.tag: head for info, head in scan.heads}
+            doomed = []
+            for tag in locks:
+                reason = scan.pinned_by(tag)
+                if reason is None and heads is not None and current.get(tag, heads.get(tag)) != heads.get(tag):
+                    reason = "it was saved again since it was chosen"
+                if reason is None and tag == newest:
+                    reason = "it is the newest checkpoint now"
+                if reason is not None:
+                    if refuse:
+                        raise CheckpointInUseError(f"cannot delete {tag!r} now: {reason}", self.partial_url(tag))
+                    log.info("not deleting %s now: %s", partial_dir(tag), reason)
+                    continue
+                doomed.append(tag)
+            referenced = scan.referenced(exclude=doomed)
+            for tag in doomed:
+                self._clear_partial(tag, referenced, locks.pop(tag))
+            return doomed
+        finally:
+            for lock in locks.values():
+                lock.release()
+
+    def _clear_partial(self, tag: str, referenced: Collection[tuple[str, str]], lock: SaveLock) -> None:
+        """(holding ``lock``) Un-commit ``{tag}_partial`` (torch's metadata,
+        then dcp_ext's: a half-deleted checkpoint is never mistaken for a
+        committed one) and delete its files except the data files in
+        ``referenced``: the directory then keeps only those, marked retired
+        (:data:`RETIRED_FILE`, written before anything is deleted), until
+        nothing refers to them. Releases ``lock``."""
+        store = self.partial_store(tag)
+        directory = partial_dir(tag)
+        keep = {file for d, file in referenced if d == directory}
+        try:
+            if keep:
+                store.write_file(RETIRED_FILE, json.dumps({"tag": tag, "kept": sorted(keep)}).encode())
+            for name in _OWN_FILES:
+                store.delete(name)
+            crash_point("mid_retention")
+            for name in store.list_tree():  # data files under key prefixes too
+                if name in keep:
+                    continue
+                if name.endswith(DATA_SUFFIX) or TMP_MARK in name:
+                    store.delete(name)
+            if not keep:
+                store.delete(RETIRED_FILE)
+        finally:
+            lock.release(verify=False)  # ours for the few requests above
+        if not keep:
+            store.remove_root_if_empty()
+
+    def sweep_retired(self, retired: Collection[str] | None = None) -> list[str]:
+        """Delete what no committed checkpoint (nor save in flight) refers to
+        any more in retired directories, and the directories left empty.
+
+        Args:
             retired: The retired tags, if the caller has just found them (default: :meth:`retired_tags`).
 
         Returns:
@@ -311,20 +529,14 @@ class CheckpointRoot:
         retired = self.retired_tags() if retired is None else list(retired)
         if not retired:
             return []
-        if referenced is None:
-            referenced = self.referenced_files()
-        removed = []
-        for tag in retired:
-            self.delete_partial(tag, referenced)
-            if not self.partial_store(tag).exists(RETIRED_FILE):
-                removed.append(tag)
-        return removed
+        return self._sweep({tag: "retired" for tag in retired}, {}).retired
 
     def apply_retention(self, policy: RetentionPolicy, protect: Collection[str] = (), *, dry_run: bool = False) -> list[str]:
         """Delete the committed checkpoints ``policy`` does not keep; never the
-        ``newest`` target or a tag in ``protect``. Data files that a kept
-        (incremental) checkpoint refers to stay (see :meth:`delete_partial`);
-        older retired directories this frees are removed by
+        ``newest`` target, a tag in ``protect``, or one that a save in
+        progress builds on (it goes in a later pass). Data files that a kept
+        (incremental) checkpoint refers to stay (see :meth:`delete`); older
+        retired directories this frees are removed by
         :meth:`remove_leftovers`, which every caller runs next (one sweep per
         save, not two).
 
@@ -335,41 +547,87 @@ class CheckpointRoot:
         keep = set(protect) | ({newest} if newest else set())
         heads = self._committed_heads()
         doomed = select_for_deletion([info for info, _ in heads], policy, protect=keep)
-        if not dry_run:
-            referenced = self.referenced_files(exclude=set(doomed), heads=heads)
-            for tag in doomed:
-                self.delete_partial(tag, referenced)
-        return doomed
+        if dry_run or not doomed:
+            return doomed
+        first = {info.tag: head for info, head in heads}
+        return self._delete_tags(doomed, refuse=False, heads={tag: first[tag] for tag in doomed})
+
+    def compact(self, tag: str) -> Any:
+        """(one process) Rewrite the incremental checkpoint ``tag``
+        self-contained (:func:`dcp_ext.compact.compact`) under its save lock,
+        by the one rule: refused while a save to it or one that builds on it
+        is in progress; the files it replaces stay while another checkpoint
+        refers to them (then leftover cleanup removes them, as it removes
+        the new files of a compaction killed before its commit).
+
+        Returns:
+            The :class:`~dcp_ext.compact.CompactReport`.
+
+        Raises:
+            CheckpointInUseError: A save to ``tag``, or one that builds on it, is in progress.
+            CheckpointNotFoundError: ``tag`` is not a committed checkpoint.
+        """
+        from .compact import compact
+
+        lock = self._lock(validate_tag(tag), "compact", refuse=True)
+        assert lock is not None
+        marker = strays_marker(tag)
+        try:
+            scan = self.scan()
+            reason = scan.pinned_by(tag)
+            if reason is not None:
+                raise CheckpointInUseError(
+                    f"cannot compact {tag!r} now: {reason}; run compact when that save has finished",
+                    self.partial_url(tag),
+                )
+            if tag not in scan.committed:
+                raise CheckpointNotFoundError(f"no committed checkpoint {self.partial_url(tag)} to compact",
+                                              self.partial_url(tag))
+            directory = partial_dir(tag)
+            others = {file for d, file in scan.referenced(exclude={tag}) if d == directory}
+            report = compact(self.partial_url(tag), storage_options=self.storage_options, config=self.config,
+                             referenced_elsewhere=others, before_write=lambda: self.store.write_file(marker, b"{}"))
+            if report.changed and not report.kept_old:
+                self.store.delete(marker)
+        finally:
+            lock.release()
+        self.sweep_retired()
+        return report
 
     def remove_leftovers(self, current: str | None = None) -> LeftoverReport:
-        """Delete what crashed saves left: temporary files in the root, partial
-        directories that never committed, and incomplete multipart uploads
-        older than the stale-lock limit; and the files of retired directories
-        that no committed checkpoint refers to any more. A directory whose save lock is live
-        (:mod:`dcp_ext.save_lock`), and the tag ``current`` being saved, are
-        never touched."""
-        temp_files = [n for n in self.store.list_names() if TMP_MARK in n]
-        for name in temp_files:
-            self.store.delete(name)
-        locked: dict[str, bool] = {}
+        """Delete what crashed saves, deletions and compactions left, by the one rule.
 
-        def lock_live(tag: str) -> bool:
-            if tag not in locked:
-                state = save_lock.lock_state(self.partial_store(tag))
-                locked[tag] = state is not None and state.live
-            return locked[tag]
+        * temporary files in the root older than the stale-lock limit;
+        * partial directories that never committed and carry dcp_ext's mark
+          (an abandoned or released save lock), or are empty;
+        * incomplete multipart uploads older than the stale-lock limit;
+        * files of retired directories that nothing refers to any more;
+        * data files of committed directories that their metadata no longer
+          names (a compaction or overwrite killed before its tidying step,
+          marked in the root by :func:`strays_marker`).
 
-        uncommitted: list[str] = []
-        retired: list[str] = []
-        for tag in self.partial_tags():
-            if tag == current or self.partial_store(tag).exists(METADATA_FILE) or lock_live(tag):
-                continue  # being saved now, committed, or another job's save in flight
-            if self.partial_store(tag).exists(RETIRED_FILE):
-                retired.append(tag)  # deleted, keeping files a committed checkpoint refers to: swept below
+        A directory whose save lock is live, the tag ``current`` being saved,
+        any directory with torch's ``.metadata`` and any without dcp_ext's
+        mark are never touched.
+        """
+        names, dirs = self.store.list_entries()
+        temp_files = self._remove_stale_temp_files(names)
+        candidates: dict[str, str] = {}
+        for tag in self.partial_tags(dirs):
+            if tag == current:
                 continue
-            log.info("removing %s: a save that never committed", partial_dir(tag))
-            self.delete_partial(tag)
-            uncommitted.append(tag)
+            kind = self._leftover_kind(self.partial_store(tag))
+            if kind is not None:
+                candidates[tag] = kind
+        markers: dict[str, str] = {}
+        for name in names:
+            tag = _marked_tag(name)
+            if tag is not None and tag != current:
+                if partial_dir(tag) in dirs:
+                    markers[tag] = name
+                else:
+                    self.store.delete(name)  # its directory is gone
+        swept = self._sweep(candidates, markers) if candidates or markers else LeftoverReport()
         uploads = []
         now = time.time()
         for upload in self.store.list_incomplete_uploads():
@@ -377,13 +635,109 @@ class CheckpointRoot:
             tag = directory[: -len(PARTIAL_SUFFIX)] if directory.endswith(PARTIAL_SUFFIX) else ""
             if now - upload.initiated < float(save_lock.STALE_LOCK_SECONDS):
                 continue  # may belong to a save in flight
-            if tag and (tag == current or (_valid(tag) and lock_live(tag))):
+            if tag and (tag == current or (_valid(tag) and _lock_live(self.partial_store(tag)))):
                 continue
             log.info("aborting incomplete upload of %s started %.0f s ago", upload.name, now - upload.initiated)
             self.store.abort_upload(upload)
             uploads.append(upload.name)
-        removed = self.sweep_retired(retired=retired)  # the retired tags just found: no second look at each tag
-        return LeftoverReport(tuple(temp_files), tuple(uncommitted), tuple(uploads), tuple(removed))
+        return LeftoverReport(tuple(temp_files), swept.uncommitted, tuple(uploads), swept.retired, swept.strays)
+
+    def _remove_stale_temp_files(self, names: list[str]) -> list[str]:
+        """Delete temporary files in the root older than the stale-lock limit
+        (a younger one may be another job's write in flight)."""
+        removed = []
+        for name in names:
+            if TMP_MARK not in name:
+                continue
+            try:
+                modified = self.store.modified(name)
+            except CheckpointNotFoundError:
+                continue
+            if modified is not None and time.time() - modified < float(save_lock.STALE_LOCK_SECONDS):
+                continue
+            self.store.delete(name)
+            removed.append(name)
+        return removed
+
+    @staticmethod
+    def _leftover_kind(store: Store) -> str | None:
+        """``"crashed"``, ``"retired"``, ``"empty"``, or ``None`` when the
+        directory is not a leftover: committed (by dcp_ext or torch), saved
+        by a live save, or without dcp_ext's mark."""
+        if store.exists(METADATA_FILE) or store.exists(TORCH_METADATA_FILE):
+            return None
+        if store.exists(RETIRED_FILE):
+            return "retired"
+        state = save_lock.lock_state(store)
+        if state is not None:
+            return None if state.live else "crashed"
+        return None if store.list_tree() else "empty"
+
+    def _sweep(self, candidates: dict[str, str], markers: dict[str, str]) -> LeftoverReport:
+        """Lock the leftover ``candidates`` (tag -> kind) and the directories
+        with strays ``markers`` (tag -> root-level marker), scan, and delete
+        what the one rule allows."""
+        locks: dict[str, SaveLock] = {}
+        try:
+            for tag in {*candidates, *markers}:
+                lock = self._lock(tag, "clean up", refuse=False)
+                if lock is not None:
+                    locks[tag] = lock
+            if not locks:
+                return LeftoverReport()
+            scan = self.scan()
+            uncommitted: list[str] = []
+            retired: list[str] = []
+            strays: list[str] = []
+            for tag in sorted(locks):
+                store = self.partial_store(tag)
+                if tag in markers:
+                    strays += self._remove_strays(tag, scan, markers[tag])
+                kind = candidates.get(tag)
+                if kind is None or tag in scan.committed or store.exists(TORCH_METADATA_FILE):
+                    continue  # committed meanwhile (a save took the abandoned lock over)
+                if kind != "retired":
+                    log.info("removing %s: a save that never committed", partial_dir(tag))
+                self._clear_partial(tag, scan.referenced(), locks.pop(tag))
+                if kind != "retired":
+                    uncommitted.append(tag)
+                elif not store.exists(RETIRED_FILE):
+                    retired.append(tag)
+            return LeftoverReport(uncommitted=tuple(uncommitted), retired=tuple(retired), strays=tuple(strays))
+        finally:
+            for lock in locks.values():
+                lock.release()
+
+    def _remove_strays(self, tag: str, scan: RootScan, marker: str) -> list[str]:
+        """(holding the lock of ``{tag}_partial``) Delete the data files of the
+        committed ``tag`` that its metadata does not name and nothing refers
+        to, then the root-level ``marker``; a marker of a directory that is
+        gone is deleted, one of an uncommitted directory stays for its cleanup."""
+        store = self.partial_store(tag)
+        if tag not in scan.committed:
+            if not store.list_tree():
+                self.store.delete(marker)
+            return []
+        if scan.pinned_by(tag) is not None:
+            return []
+        where = store.describe(METADATA_FILE)
+        own = {name for name in decode_metadata(store.read_file(METADATA_FILE), where).files
+               if not name.startswith(REFERENCE_PREFIX)}
+        directory = partial_dir(tag)
+        referenced = {file for d, file in scan.referenced(exclude={tag}) if d == directory}
+        removed = []
+        for name in store.list_tree():
+            if name.endswith(DATA_SUFFIX) and name not in own and name not in referenced:
+                store.delete(name)
+                removed.append(f"{directory}/{name}")
+        if not any(n.endswith(DATA_SUFFIX) and n not in own for n in store.list_tree()):
+            self.store.delete(marker)
+        return removed
+
+
+def _lock_live(store: Store) -> bool:
+    state = save_lock.lock_state(store)
+    return state is not None and state.live
 
 
 def _valid(tag: str) -> bool:

@@ -23,18 +23,21 @@ only here, for the writer (may I take it over?) and for the manager's cleanup
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import CheckpointInProgressError, CheckpointNotFoundError, DcpExtError
 from .storage import Store
 
-__all__ = ["LOCK_FILE", "STALE_LOCK_SECONDS", "LockRecord", "LockState", "SaveLock", "lock_state"]
+__all__ = ["LOCK_FILE", "STALE_LOCK_SECONDS", "LockRecord", "LockState", "SaveLock", "lock_state", "file_state", "hold", "forget"]
 
 log = logging.getLogger("dcp_ext.save_lock")
 
@@ -46,7 +49,7 @@ STALE_LOCK_SECONDS = 3600.0
 # Locks held by saves of this process (save id -> lock): a lock written by
 # this process whose save is gone (a stock ``dcp.save`` that failed never
 # releases it) is abandoned.
-_HELD: weakref.WeakValueDictionary[str, SaveLock] = weakref.WeakValueDictionary()
+_HELD: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 @dataclass(frozen=True)
@@ -58,26 +61,45 @@ class LockRecord:
         started: When the lock was taken (seconds since the epoch).
         host: Host name of the process that took it.
         pid: Its process id.
+        released: The save failed and gave the lock up, but files of it may
+            remain: the record stays as the mark that dcp_ext wrote this
+            directory (so leftover cleanup may remove it), and counts as
+            abandoned at once.
+        tag: Leases only (:mod:`dcp_ext.leases`): the tag being saved.
+        base: Leases only: the tag whose files the save may refer to.
     """
 
     save_id: str
     started: float
     host: str
     pid: int
+    released: bool = False
+    tag: str | None = None
+    base: str | None = None
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {"save_id": self.save_id, "started": self.started, "host": self.host, "pid": self.pid}
-        ).encode()
+        doc: dict[str, object] = {"save_id": self.save_id, "started": self.started, "host": self.host, "pid": self.pid}
+        if self.released:
+            doc["released"] = True
+        if self.tag is not None:
+            doc["tag"] = self.tag
+        if self.base is not None:
+            doc["base"] = self.base
+        return json.dumps(doc).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> LockRecord | None:
         """The record in ``data``, or ``None`` if it is empty or not a record."""
         try:
             doc = json.loads(data)
-            return cls(str(doc["save_id"]), float(doc["started"]), str(doc["host"]), int(doc["pid"]))
-        except (ValueError, KeyError, TypeError):
+            tag, base = doc.get("tag"), doc.get("base")
+            if not isinstance(tag, (str, type(None))) or not isinstance(base, (str, type(None))):
+                return None
+            record = cls(str(doc["save_id"]), float(doc["started"]), str(doc["host"]), int(doc["pid"]),
+                         doc.get("released") is True, tag, base)
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
             return None
+        return record if math.isfinite(record.started) else None
 
     def describe(self) -> str:
         return f"save {self.save_id} by pid {self.pid} on {self.host}"
@@ -100,6 +122,16 @@ class LockState:
     reason: str
 
 
+def hold(save_id: str, holder: object) -> None:
+    """Count the lock or lease ``save_id`` as held by this process while ``holder`` lives."""
+    _HELD[save_id] = holder  # type: ignore[assignment]
+
+
+def forget(save_id: str) -> None:
+    """This process no longer holds ``save_id`` (its file, if left, is then abandoned)."""
+    _HELD.pop(save_id, None)
+
+
 def _holder_running(record: LockRecord) -> bool | None:
     """Whether the process that wrote ``record`` still holds it; ``None`` when
     that cannot be known from here (another host)."""
@@ -113,21 +145,39 @@ def _holder_running(record: LockRecord) -> bool | None:
         return False
     except OSError:
         return True  # it exists (another user's process)
-    return True
+    return not _zombie(record.pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited but not been reaped yet (Linux; ``False``
+    where ``/proc`` cannot tell): a killed job's ranks linger so until their
+    parent waits for them, and hold nothing any more."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[-1].split()
+    except OSError:
+        return False
+    return bool(fields) and fields[0] in (b"Z", b"X")
 
 
 def lock_state(store: Store, now: float | None = None) -> LockState | None:
     """(any rank) The state of ``store``'s save lock, or ``None`` if there is none."""
+    return file_state(store, LOCK_FILE, now)
+
+
+def file_state(store: Store, name: str, now: float | None = None) -> LockState | None:
+    """(any rank) The state of the lock (or lease) file ``name`` in ``store``,
+    judged by the one liveness rule; ``None`` if there is no such file."""
     now = time.time() if now is None else now
     stale = float(STALE_LOCK_SECONDS)
     try:
-        data = store.read_file(LOCK_FILE)
+        data = store.read_file(name)
     except CheckpointNotFoundError:
         return None
     record = LockRecord.from_json(data)
     if record is None:
         try:
-            modified = store.modified(LOCK_FILE)
+            modified = store.modified(name)
         except CheckpointNotFoundError:
             return None  # released meanwhile
         if modified is None:
@@ -137,6 +187,8 @@ def lock_state(store: Store, now: float | None = None) -> LockState | None:
             return LockState(False, age, None, f"its record is unreadable and the file is {age:.0f} s old")
         return LockState(True, age, None, "its record is empty or unreadable (being written, or damaged)")
     age = now - record.started
+    if record.released:
+        return LockState(False, age, record, f"{record.describe()} failed and released it")
     if age >= stale:
         return LockState(False, age, record, f"{record.describe()} started {age:.0f} s ago")
     running = _holder_running(record)
@@ -185,21 +237,39 @@ class SaveLock:
                     f"once on the host that wrote it when its process has exited).",
                     store.url,
                 )
-            log.warning("taking over the lock of an abandoned save at %s: %s", store.url, state.reason)
+            if state.record is None or not state.record.released:
+                log.warning("taking over the lock of an abandoned save at %s: %s", store.url, state.reason)
             store.delete(LOCK_FILE)
         raise CheckpointInProgressError(f"could not take the save lock of {store.url}", store.url)
 
-    def release(self) -> None:
-        """(coordinator) Give the lock up; a lock that cannot be deleted expires."""
+    def release(self, keep_mark: bool = False, verify: bool = True) -> None:
+        """(coordinator) Give the lock up; a lock that cannot be deleted expires.
+
+        Args:
+            keep_mark: Leave the lock file, rewritten as released (abandoned
+                at once), instead of deleting it: a failed save whose files
+                may remain marks its directory as dcp_ext's, so that leftover
+                cleanup removes it (and only it: a directory without the mark
+                is not dcp_ext's to delete).
+            verify: Read the lock first and leave it if another save took it
+                over as abandoned (``False``: the holder knows it held it
+                only briefly, as a deletion does).
+        """
         _HELD.pop(self.save_id, None)
         if not self.held:
             return
         self.held = False
         try:
+            if not verify and not keep_mark:
+                self.store.delete(LOCK_FILE)
+                return
             # Taken over as abandoned (a save paused past the stale limit)? Then it is not ours to delete.
             record = LockRecord.from_json(self.store.read_file(LOCK_FILE))
             if record is None or record.save_id == self.save_id:
-                self.store.delete(LOCK_FILE)
+                if keep_mark and record is not None:
+                    self.store.write_file(LOCK_FILE, dataclasses.replace(record, released=True).to_json())
+                else:
+                    self.store.delete(LOCK_FILE)
         except CheckpointNotFoundError:
             pass
         except DcpExtError as err:

@@ -51,6 +51,7 @@ from ._failpoints import crash_point
 from ._names import validate_relative_name
 from .config import IOConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
+from .leases import Lease
 from .layout import DATA_SUFFIX, PARTITION_FILE, REPLICATED_KIND, USER_CONTENT_FILE, Partition, TagInfo
 from .incremental_drain import DrainBase, RewrittenFiles, choose_base, rewrite_files, root_document
 from .metadata import METADATA_FILE, TORCH_METADATA_FILE, decode_metadata, read_created
@@ -338,12 +339,16 @@ def is_replicated_file(name: str) -> bool:
 
 
 def write_commit_files(store: Store, files: dict[str, bytes]) -> None:
-    """Write a checkpoint's small files into ``store``, the metadata last (the commit)."""
+    """Write a checkpoint's small files into ``store``: dcp_ext's metadata
+    (the commit) after the others, torch's ``.metadata`` after it, as a save
+    does (a directory with torch's marker alone is never a crashed dcp_ext save)."""
     store.ensure_root()
     for name in COMMIT_FILES:
-        if name in files:
+        if name in files and name != TORCH_METADATA_FILE:
             store.write_file(name, files[name])
     store.write_file(METADATA_FILE, files[METADATA_FILE])
+    if TORCH_METADATA_FILE in files:
+        store.write_file(TORCH_METADATA_FILE, files[TORCH_METADATA_FILE])
 
 
 def _carried(error: DcpExtError | None, rank: int) -> DcpExtError | None:
@@ -454,6 +459,7 @@ def drain(
 
     group.run_on_coordinator(take_lock)
     written = 0
+    leases: list[Lease] = []  # (coordinator) the root lease on an incremental drain's base
     try:
         error: DcpExtError | None = None
         local = tier.checkpoints.partial_store(tag)
@@ -461,7 +467,7 @@ def drain(
         base = DrainBase()
         if max_chain is not None:
             base = group.run_on_coordinator(
-                lambda: choose_base(persistent, tag, local.read_file(METADATA_FILE), where, max_chain))
+                lambda: choose_base(persistent, tag, local.read_file(METADATA_FILE), where, max_chain, leases))
         share_of: RewrittenFiles | None = None
         try:
             partition = Partition.from_json(local.read_file(PARTITION_FILE), local.describe(PARTITION_FILE))
@@ -499,6 +505,8 @@ def drain(
                 files[METADATA_FILE] = root_document(
                     decoded, [s for s in shares if s is not None], base, persistent, target.describe(METADATA_FILE))
             write_commit_files(target, files)
+            for lease in leases:  # committed: our metadata now refers to the base's files
+                lease.end()
             lock.release()  # committed: as after a save's commit, no lock outlives a kill during retention
             created = read_created(files[METADATA_FILE][:_HEAD_BYTES]) or 0.0
             newest = persistent.newest_record()
@@ -515,7 +523,11 @@ def drain(
         group.run_on_coordinator(commit)
     finally:
         if group.is_coordinator:
-            lock.release()
+            for lease in leases:
+                lease.end()
+            # After a failure the lock stays, released, as dcp_ext's mark on the
+            # files copied so far: the next save's leftover cleanup removes them.
+            lock.release(keep_mark=True)
     return written
 
 

@@ -7,18 +7,24 @@ every rank; DCP's collectives provide the ordering):
    (:mod:`dcp_ext.save_lock`) before changing anything: a second job saving
    the same path at the same time fails with ``CheckpointInProgressError``,
    and a refused save leaves the old checkpoint as it was. Then refuse an
-   existing committed checkpoint unless ``overwrite=True``; with it, delete
-   the old metadata so the old checkpoint stops being loadable before any
-   byte of it is replaced.
+   existing committed checkpoint unless ``overwrite=True``. For a
+   ``ROOT/{tag}_partial`` path that holds a checkpoint (or a retired one),
+   refuse with ``CheckpointInUseError`` if another checkpoint refers to its
+   files or a save in flight builds on it (the root's one rule,
+   :mod:`dcp_ext.root`). With ``overwrite``, delete the old metadata
+   (torch's, then dcp_ext's) so the old checkpoint stops being loadable
+   before any byte of it is replaced.
 2. (all ranks, ``write_data``) stream data files. Each file becomes visible
    under its final name only when durable: fsync + rename on file systems, a
    completed multipart upload on S3. A failing rank aborts its files.
-3. (coordinator, ``finish``) write torch's pickled ``.metadata`` (so torch's
-   readers can load the checkpoint), then ``dcp_ext.metadata.json``, the commit
-   marker. Then release the lock, delete data files of an overwritten
-   checkpoint that the new one does not use and temporary files left by
-   crashed saves, and run ``after_commit`` (the manager moves ``newest``
-   there); its failure reaches every rank as a ``PostCommitError``.
+3. (coordinator, ``finish``) write ``dcp_ext.metadata.json``, the commit
+   marker, then torch's pickled ``.metadata`` (so torch's readers can load
+   the checkpoint; written last, a directory with it alone is never a
+   crashed dcp_ext save). Still holding the lock, delete data files of an
+   overwritten checkpoint that the new one does not use and temporary files
+   left by crashed saves; then release the lock and run ``after_commit``
+   (the manager moves ``newest`` there); its failure reaches every rank as
+   a ``PostCommitError``.
 
 A reader refuses a checkpoint without metadata, so a save that dies at any
 point leaves either the previous state or nothing loadable, never a mix.
@@ -58,10 +64,11 @@ from ._torch_format import DTYPES, tensor_bytes, torch_save_envelope
 from .codecs import Codec, resolve_codec
 from .config import IOConfig
 from .frames import FrameEncoder
-from .errors import CheckpointExistsError, DcpExtError, PostCommitError
-from .layout import DATA_SUFFIX, FileAssignment, item_nbytes, spread_name
+from .errors import CheckpointExistsError, CheckpointInUseError, DcpExtError, PostCommitError
+from .layout import DATA_SUFFIX, PARTIAL_SUFFIX, FileAssignment, InvalidTagError, item_nbytes, spread_name, validate_tag
 from .incremental import BaseFrames, IncrementalSave, read_base
-from .save_lock import SaveLock
+from .root import RETIRED_FILE, CheckpointRoot, strays_marker
+from .save_lock import LOCK_FILE, SaveLock
 from .save_planner import LayoutSavePlanner
 from .staging import copy_state
 from .storage import TMP_MARK, Store, normalize_path, open_store
@@ -181,6 +188,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.after_commit = after_commit
         self.codec = resolve_codec(compression)
         self._lock: SaveLock | None = None
+        # (root store, marker name): strays marker of an overwrite, until its old files are gone.
+        self._strays: tuple[Store, str] | None = None
         if incremental is not None and config.metadata_version < 3:
             raise ValueError("incremental saves need metadata_version 3 (frame indexes with hashes)")
         self.incremental = incremental
@@ -204,7 +213,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         # Open stores hold clients, sockets and thread pools; a copy in another
         # process (process-based uploads) opens its own.
         state = dict(self.__dict__)
-        state.update(_store=None, _filesystem=None, _lock=None)
+        state.update(_store=None, _filesystem=None, _lock=None, _strays=None)
         return state
 
     # -- AsyncStager (dcp.async_save without async_stager) ------------------------
@@ -224,6 +233,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         # A lock left by a failed earlier save through this writer stays on
         # storage, where it now counts as abandoned (its save is gone).
         self._lock = None
+        self._strays = None
         if checkpoint_id:
             new_path = normalize_path(checkpoint_id)
             if new_path != self.path:
@@ -257,7 +267,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._lock.acquire()
         try:
             # Checked again under the lock: a save that held it may have committed.
-            for name in self._refuse_existing(store):
+            existing = self._refuse_existing(store)
+            self._check_root(store, existing)
+            for name in existing:
                 store.delete(name)  # un-commit the old checkpoint before touching its data
         except BaseException:
             self._release_lock()
@@ -271,9 +283,38 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             for rank, plan in enumerate(plans)
         ]
 
+    def _check_root(self, store: Store, existing: list[str]) -> None:
+        """(coordinator, holding the lock) When the path is ``ROOT/{tag}_partial``
+        and holds a checkpoint or a retired one: refuse to replace files that
+        another checkpoint refers to or that a save in flight builds on (the
+        root's one rule, :mod:`dcp_ext.root`), and mark the directory in the
+        root as holding strays until the replaced files are gone."""
+        parent, _, directory = self.path.rstrip("/").rpartition("/")
+        if not parent or not directory.endswith(PARTIAL_SUFFIX) or not _valid_tag(directory[: -len(PARTIAL_SUFFIX)]):
+            return
+        if not existing and not store.exists(RETIRED_FILE):
+            return  # a new directory, or an uncommitted one: nothing refers to its files
+        tag = directory[: -len(PARTIAL_SUFFIX)]
+        root = CheckpointRoot(parent, self.config, self.storage_options)
+        scan = root.scan()
+        reason = scan.pinned_by(tag)
+        if reason is not None:
+            raise CheckpointInUseError(f"cannot save {self.path} again now: {reason}. Nothing was changed", self.path)
+        referrers = root.referrers(tag, scan)
+        if referrers:
+            raise CheckpointInUseError(
+                f"{self.path} holds data files that the incremental checkpoint(s) {', '.join(referrers)} refer to: "
+                f"saving {tag!r} again would break them. Nothing was changed; save under a new tag, or delete "
+                f"(or compact) {', '.join(referrers)} first",
+                self.path,
+            )
+        self._strays = (root.store, strays_marker(tag))
+        root.store.write_file(self._strays[1], b"{}")
+
     def _refuse_existing(self, store: Store) -> list[str]:
-        """The metadata files of a committed checkpoint at the path; raises unless ``overwrite``."""
-        existing = [n for n in (METADATA_FILE, TORCH_METADATA_FILE) if store.exists(n)]
+        """The metadata files of a committed checkpoint at the path (torch's
+        first: un-committing removes dcp_ext's last); raises unless ``overwrite``."""
+        existing = [n for n in (TORCH_METADATA_FILE, METADATA_FILE) if store.exists(n)]
         if existing and not self.overwrite:
             raise CheckpointExistsError(
                 f"Checkpoint already exists at {store.url}; pass overwrite=True "
@@ -392,18 +433,24 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             item.transforms for item in items.values()
         )
         incremental = self._incremental_section(items)
-        if len(items) <= self.config.torch_metadata_chunks and not compressed and incremental is None:
-            store.write_file(TORCH_METADATA_FILE, to_torch_metadata(metadata, items))
         store.write_file(
             METADATA_FILE,
             encode_metadata(metadata, items, world_size=len(results), version=self.config.metadata_version,
                             incremental=incremental),
         )
-        self._release_lock()
+        if self.incremental is not None:
+            self.incremental.end_lease()  # committed: the base's files are now referred to by our metadata
+        if len(items) <= self.config.torch_metadata_chunks and not compressed and incremental is None:
+            # Written after ours, so that a directory with torch's .metadata alone
+            # is never a crashed dcp_ext save (the root's cleanup leaves it alone).
+            store.write_file(TORCH_METADATA_FILE, to_torch_metadata(metadata, items))
+        # Old files go while the lock is still held: a save that takes it next
+        # may write files this one does not name.
         self._remove_leftovers(
             {name for name, _, _ in items.files} if isinstance(items, StoredColumns)
             else {item.relative_path for item in items.values()}
         )
+        self._release_lock()
         if self.after_commit is not None:
             try:
                 self.after_commit()
@@ -430,12 +477,18 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         }
 
     def _remove_leftovers(self, keep: set[str]) -> None:
+        """(coordinator, holding the lock, after the commit) Delete data files
+        of the checkpoint this one replaced that it does not use, temporary
+        files, a retired marker, then the root's strays marker."""
         store = self.store
         try:
             for name in store.list_tree():  # data files under key prefixes too
                 stale_data = name.endswith(DATA_SUFFIX) and name not in keep
-                if stale_data or TMP_MARK in name:
+                if stale_data or TMP_MARK in name or name == RETIRED_FILE:
                     store.delete(name)
+            if self._strays is not None:
+                self._strays[0].delete(self._strays[1])
+                self._strays = None
         except Exception as err:  # the checkpoint is committed; this is tidying
             log.warning("could not remove leftover files in %s: %s", store.url, err)
 
@@ -465,11 +518,34 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             except Exception as err:
                 log.warning("could not delete %s: %s", self.store.describe(name), err)
         self._written = []
-        self._release_lock()
+        if self.is_coordinator and self.incremental is not None:
+            self.incremental.end_lease()
+        if self._lock is None:  # not the coordinator: the directory goes if it is empty
+            left: list[str] = []
+        else:
+            left = self._give_up_lock()
+        if left:
+            return
         try:  # a directory the failed save created and left empty (local file systems)
             self.store.remove_root_if_empty()
         except Exception as err:  # noqa: BLE001 - only tidiness is lost
             log.debug("could not remove the empty %s: %s", self.store.url, err)
+
+    def _give_up_lock(self) -> list[str]:
+        """(coordinator, after a failure) Release the lock; the files still
+        in the directory (then the lock stays, released, as dcp_ext's mark)."""
+        assert self._lock is not None
+        try:
+            # Other ranks' files (a rank that died, or is still deleting) keep
+            # the lock file, released, as the mark that the directory is
+            # dcp_ext's: the next save's leftover cleanup removes it.
+            left = [name for name in self.store.list_tree() if name != LOCK_FILE]
+        except Exception as err:  # noqa: BLE001 - then keep the mark
+            log.debug("could not list %s: %s", self.store.url, err)
+            left = [self.store.url]
+        self._lock.release(keep_mark=bool(left))
+        self._lock = None
+        return left
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -477,6 +553,14 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _valid_tag(tag: str) -> bool:
+    try:
+        validate_tag(tag)
+    except InvalidTagError:
+        return False
+    return True
 
 
 def _append_frame_index(writer: Any, stored: list[StoredItem]) -> list[StoredItem]:

@@ -170,8 +170,10 @@ def test_metadata_is_json_and_written_last(tmp_path) -> None:
     assert raw[start : start + item["data_length"]] == torch.arange(10.0).numpy().tobytes()
     ((name, size, index_at, index_length, _),) = doc["files"]
     assert name == item["file"] and size == len(raw) == index_at + index_length  # its frame index last
-    # The JSON marker is the newest file: metadata comes after the data.
-    names = ["dcp_ext.metadata.json", ".metadata", item["file"]]
+    # Metadata comes after the data: dcp_ext's JSON (the commit), then torch's
+    # .metadata, the newest file (a directory with .metadata alone is never a
+    # crashed dcp_ext save: dcp_ext/root.py).
+    names = [".metadata", "dcp_ext.metadata.json", item["file"]]
     mtimes = [os.stat(url / n).st_mtime_ns for n in names]
     assert mtimes == sorted(mtimes, reverse=True)
 

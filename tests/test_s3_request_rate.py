@@ -311,9 +311,12 @@ def test_local_saves_under_key_prefixes_retention_leftovers_and_cli(tmp_path: Pa
     optim = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 32)).sum().backward()
     optim.step()
-    # What a crashed save left: data under a key prefix, no metadata.
+    # What a crashed save left: data under a key prefix, no metadata, its save
+    # lock (dcp_ext's mark) from a host that stopped renewing it two hours ago.
     (root / "z_partial" / "00").mkdir(parents=True)
     (root / "z_partial" / "00" / "model_rank0.distcp").write_bytes(b"partial")
+    (root / "z_partial" / ".dcp_ext.saving").write_text(json.dumps(
+        {"save_id": "crashed", "started": time.time() - 7200, "host": "elsewhere", "pid": 1}))
     manager = dcp_ext.CheckpointManager(root, config=config)
     for tag in ("a", "b", "c"):
         manager.save(tag, model, optim, num_kept_partial_checkpoints=1)

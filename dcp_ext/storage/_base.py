@@ -310,6 +310,10 @@ class Store(ABC):
     def list_dirs(self) -> list[str]:
         """Names of the directories (prefixes) directly under the root."""
 
+    def list_entries(self) -> tuple[list[str], list[str]]:
+        """``(list_names(), list_dirs())``; one listing where the storage can."""
+        return self.list_names(), self.list_dirs()
+
     def list_tree(self) -> list[str]:
         """Names of every file under the root, those in sub-directories included
         (``30/model_rank3.distcp``, see ``IOConfig.key_prefixes``)."""

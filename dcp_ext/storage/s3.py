@@ -569,6 +569,9 @@ class S3Store(Store):
     def list_dirs(self) -> list[str]:
         return self._list()[1]
 
+    def list_entries(self) -> tuple[list[str], list[str]]:
+        return self._list()
+
     def list_tree(self) -> list[str]:
         return self._list(recursive=True)[0]
 

@@ -1,4 +1,4 @@
-"""Crash-consistency torture: ``python -m bench.torture [--trials 200] [--seed 1] [--incremental]``.
+"""Crash-consistency torture: ``python -m bench.torture [--trials 200] [--seed 1] [--incremental | --concurrent]``.
 
 Runs the trials of ``tests/support/crash_torture.py`` (real 2-rank saves killed at a
 random crash point on one or all ranks, or at a random moment, or not at all;
@@ -10,6 +10,14 @@ then bit-exact checks of what is left) and writes
 ``max_chain``, a model most of whose weights stay the same from step to
 step), adds the checks of kept tags and retired directories, and writes
 ``bench/results/torture-incremental-<date>.json``.
+
+``--concurrent`` runs incremental saves with something else on the same
+root at the same time, from another process: ``dcp-ext compact`` of a
+committed tag, ``dcp-ext prune --keep 1``, or a second 2-rank job saving its
+own tag; either side may be killed. Every committed tag must load bit-exact
+and every referenced file exist after each trial and after one leftover pass
+(:func:`tests.support.crash_torture.concurrent_sequence`); it writes
+``bench/results/torture-concurrent-<date>.json``.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.support.crash_torture import TortureStats, run_trials
+from tests.support.crash_torture import TortureStats, concurrent_sequence, run_side_by_side, run_trials
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,6 +42,8 @@ def _summary(stats: TortureStats, incremental: bool) -> str:
     if incremental:
         line += (f"; {stats.referring_saves} committed saves referred to earlier files, "
                  f"{stats.retired_seen} trials left a retired directory")
+    if stats.beside:
+        line += f"; beside the jobs: {stats.beside}, {stats.refused} compactions refused"
     return line
 
 
@@ -43,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--incremental", action="store_true",
                         help="save with incremental=True (mode sync-incremental of tests/support/crash_job.py)")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="incremental saves with compact, prune or a second job on the same root at once")
     args = parser.parse_args(argv)
-    mode = "sync-incremental" if args.incremental else "sync"
+    mode = "concurrent" if args.concurrent else "sync-incremental" if args.incremental else "sync"
     lines: list[str] = []
 
     def log(line: str) -> None:
@@ -53,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dcp_ext_torture_") as root:
-        stats = run_trials(Path(root), args.trials, seed=args.seed, log=log, mode=mode)
+        if args.concurrent:
+            stats = run_side_by_side(concurrent_sequence(Path(root), args.trials, seed=args.seed, log=log))[0]
+        else:
+            stats = run_trials(Path(root), args.trials, seed=args.seed, log=log, mode=mode)
     result = {
         "date": datetime.date.today().isoformat(), "mode": mode, "seed": args.seed, "trials": stats.trials,
         "armed": stats.armed, "kills": stats.kills,
@@ -63,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.incremental:
         result |= {"referring_saves": stats.referring_saves, "retired_seen": stats.retired_seen}
-    name = f"torture-incremental-{result['date']}.json" if args.incremental else f"torture-{result['date']}.json"
+    if args.concurrent:
+        result |= {"beside": stats.beside, "compactions_refused": stats.refused}
+    name = {"sync": "torture", "sync-incremental": "torture-incremental", "concurrent": "torture-concurrent"}[mode]
+    name = f"{name}-{result['date']}.json"
     out = ROOT / "bench" / "results" / name
     out.write_text(json.dumps(result, indent=1))
     print(f"{_summary(stats, args.incremental)}; {out}")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.crash_torture import run_side_by_side, trial_sequence
+from tests.support.crash_torture import Beside, concurrent_sequence, run_side_by_side, trial_sequence
 
 
 def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path) -> None:
-    """Two sequences of killed 2-rank jobs, their k-th jobs side by side (each
+    """Three sequences of killed 2-rank jobs, their k-th jobs side by side (each
     on its own root; every check after every trial, in this process).
 
     Async saves (async_save=True): the job mutates every parameter right
@@ -31,14 +31,29 @@ def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path) -> None
         "none", "0:before_newest", "0:mid_retention", "1:before_data", "0:mid_data", "all:after_data",
         "0:before_metadata", "all:random:0.05", "none",
     ]
+    # A third sequence runs something else on its root during each save (the
+    # root's one rule): prune, compact (of the tag the save builds on, and one
+    # killed after writing its new file), and a second 2-rank job.
+    concurrent_plan = [
+        ("none", Beside("prune", delay=1.0)),
+        ("none", Beside("compact", tag="step1", delay=1.5)),
+        ("0:mid_data", Beside("job", step=1003, delay=1.0)),
+        ("none", Beside("compact", "mid_compact", tag="step2", delay=1.5)),
+        ("none", Beside("prune", "mid_retention", delay=1.5)),
+        ("none", Beside("job", "all:before_metadata", step=1006, delay=0.5)),
+    ]
     async_lines: list[str] = []
     lines: list[str] = []
-    for name in ("async", "incremental"):
+    concurrent_lines: list[str] = []
+    for name in ("async", "incremental", "concurrent"):
         (tmp_path / name).mkdir()
-    async_stats, stats = run_side_by_side(
+    async_stats, stats, concurrent = run_side_by_side(
         trial_sequence(tmp_path / "async", 0, crashes=async_crashes, log=async_lines.append, mode="async"),
         trial_sequence(tmp_path / "incremental", 0, crashes=crashes, log=lines.append, mode="sync-incremental"),
+        concurrent_sequence(tmp_path / "concurrent", 0, plan=concurrent_plan, log=concurrent_lines.append),
     )
+    assert concurrent.trials == len(concurrent_plan) and concurrent.violations == [], "\n".join(concurrent_lines)
+    assert concurrent.beside == {"prune": 2, "compact": 2, "job": 2}, concurrent.beside
     assert async_stats.trials == len(async_crashes) and async_stats.kills == 3, "\n".join(async_lines)
     assert async_stats.violations == [], "\n".join(async_lines)
     # before_newest: committed, newest not moved

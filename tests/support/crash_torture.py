@@ -22,12 +22,24 @@ saves refer to earlier checkpoints' data files) also:
    counts as tidy after a completed save only while it holds nothing but
    files a committed checkpoint refers to.
 
+With a job beside it (:func:`concurrent_sequence`: the root's one rule,
+``dcp_ext/root.py``, under fire), each incremental save runs while, on the
+same root and from another process, ``dcp-ext compact`` rewrites a committed
+tag, ``dcp-ext prune --keep 1`` deletes old ones, or a second 2-rank job
+saves its own tag with the same retention; either side may be killed. Then:
+
+8. every committed tag (whoever saved it) loads bit-exact, and every file
+   a committed checkpoint refers to exists;
+9. one leftover pass (as the next save runs) leaves no leftovers, and
+   checks 8 hold again after it.
+
 Used by ``tests/test_torture.py`` (a few trials) and ``bench/torture.py``
 (hundreds).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -45,9 +57,10 @@ import torch
 
 import dcp_ext
 from dcp_ext._failpoints import POINTS
+from dcp_ext import save_lock
 from dcp_ext.layout import DATA_SUFFIX
 from dcp_ext.metadata import METADATA_FILE
-from dcp_ext.root import RETIRED_FILE
+from dcp_ext.root import RETIRED_FILE, strays_marker
 from dcp_ext.storage import TMP_MARK
 from tests.support import REPO
 from tests.support.compare import state_diff
@@ -68,7 +81,10 @@ class TortureStats:
     crash (a crash point, ``random`` or ``none``), its trials, kills,
     killed saves committed anyway and violations. Incremental modes only:
     ``referring_saves``: committed new tags that refer to earlier files;
-    ``retired_seen``: trials that left at least one retired directory."""
+    ``retired_seen``: trials that left at least one retired directory.
+    Concurrent trials: ``beside``: what ran beside the jobs, by kind;
+    ``refused``: compactions refused (a save built on the tag, or it was
+    deleted meanwhile)."""
 
     trials: int = 0
     armed: int = 0
@@ -79,16 +95,46 @@ class TortureStats:
     outcomes_by_crash: dict[str, dict[str, int]] = field(default_factory=dict)
     referring_saves: int = 0
     retired_seen: int = 0
+    beside: dict[str, int] = field(default_factory=dict)
+    refused: int = 0
+
+
+@dataclass(frozen=True)
+class Beside:
+    """What runs beside a trial's job on the same root (:func:`concurrent_sequence`).
+
+    Attributes:
+        kind: ``"compact"`` (``dcp-ext compact ROOT tag``), ``"prune"``
+            (``dcp-ext prune ROOT --keep 1``) or ``"job"`` (a second 2-rank
+            save of ``step{step}``).
+        crash: ``"none"``, a crash point for the CLI (``mid_compact``,
+            ``mid_retention``), or for ``"job"`` a crash of :func:`choose_crash`.
+        tag: ``"compact"``: the tag to compact.
+        step: ``"job"``: the step it saves.
+        delay: Seconds after the trial's job starts.
+    """
+
+    kind: str
+    crash: str = "none"
+    tag: str | None = None
+    step: int = 0
+    delay: float = 0.0
+
+    def describe(self) -> str:
+        what = {"compact": f"compact {self.tag}", "prune": "prune --keep 1", "job": f"job step{self.step}"}[self.kind]
+        return f"{what} ({self.crash}, +{self.delay:.1f}s)"
 
 
 @dataclass(frozen=True)
 class _JobOutcome:
-    """How one job ended: its exit code, stderr tail, seconds, and whether it hung."""
+    """How one job ended: its exit code, stderr tail, seconds, and whether it
+    hung; and how what ran beside it ended."""
 
     returncode: int
     stderr: str
     seconds: float
     hung: bool
+    beside: _JobOutcome | None = None
 
     @property
     def ok(self) -> bool:
@@ -147,8 +193,14 @@ def _stray_in(directory: Path, referenced: Collection[tuple[str, str]]) -> list[
 
 
 def _leftovers(root: Path, referenced: Collection[tuple[str, str]]) -> list[str]:
-    """Temporary files, uncommitted directories and unreferenced data files under ``root``."""
-    found = [str(path.relative_to(root)) for path in root.rglob("*") if TMP_MARK in path.name]
+    """Temporary files, uncommitted directories and unreferenced data files
+    under ``root``. A temporary file directly in the root counts only once it
+    is older than the stale-lock limit: until then it may be another job's
+    write in flight (``newest``, a lease, a full checkpoint), which cleanup
+    leaves alone."""
+    stale = time.time() - float(save_lock.STALE_LOCK_SECONDS)
+    found = [str(path.relative_to(root)) for path in root.rglob("*") if TMP_MARK in path.name
+             and (path.parent != root or path.stat().st_mtime < stale)]
     for directory in sorted(root.glob("*_partial")):
         found.extend(_stray_in(directory, referenced))
     return found
@@ -193,18 +245,47 @@ def choose_crash(rng: random.Random) -> str:
 
 def _run_job(root: Path, step: int, crash: str, mode: str) -> _JobOutcome:
     """Run the 2-rank job saving ``step{step}`` and wait for it (killing it if it hangs)."""
-    return _finish_job(*_start_job(root, step, crash, mode))
+    return _finish_job(_start_job((root, step, crash, mode)))
 
 
-def _start_job(root: Path, step: int, crash: str, mode: str) -> tuple[subprocess.Popen[bytes], float]:
-    """Start the 2-rank job saving ``step{step}``; the process and when it started."""
-    job = subprocess.Popen([*JOB, str(root.resolve()), str(step), crash, mode], cwd=REPO,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    return job, time.monotonic()
+_Started = tuple[subprocess.Popen[bytes], float, "tuple[subprocess.Popen[bytes], float] | None"]
 
 
-def _finish_job(job: subprocess.Popen[bytes], started: float) -> _JobOutcome:
-    """Wait for a started job, at most :data:`JOB_TIMEOUT` seconds after it
+def _start_job(job: tuple[Any, ...]) -> _Started:
+    """Start the 2-rank job ``(root, step, crash, mode[, beside])`` saving
+    ``step{step}``, and what runs beside it; the processes and when they started."""
+    root, step, crash, mode = job[:4]
+    beside: Beside | None = job[4] if len(job) > 4 else None
+    main = subprocess.Popen([*JOB, str(Path(root).resolve()), str(step), crash, mode], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    started = time.monotonic()
+    other = None
+    if beside is not None:
+        env = dict(os.environ)
+        if beside.kind == "job":
+            command = [*JOB, str(Path(root).resolve()), str(beside.step), beside.crash, mode]
+        else:
+            command = [sys.executable, "-m", "dcp_ext", beside.kind, str(Path(root).resolve())]
+            command += [beside.tag or ""] if beside.kind == "compact" else ["--keep", "1"]
+            if beside.crash != "none":
+                env["DCP_EXT_CRASH_AT"] = beside.crash
+        delayed = ["sh", "-c", 'sleep "$0"; exec "$@"', f"{beside.delay:.2f}", *command]
+        other = (subprocess.Popen(delayed, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  start_new_session=True), started)
+    return main, started, other
+
+
+def _finish_job(run: _Started) -> _JobOutcome:
+    """Wait for a started job (and what runs beside it)."""
+    main, started, other = run
+    outcome = _wait(main, started)
+    if other is None:
+        return outcome
+    return dataclasses.replace(outcome, beside=_wait(*other))
+
+
+def _wait(job: subprocess.Popen[bytes], started: float) -> _JobOutcome:
+    """Wait for a started process, at most :data:`JOB_TIMEOUT` seconds after it
     started (then kill its process group: it hung)."""
     hung = False
     try:
@@ -270,19 +351,20 @@ def run_trials(root: Path, trials: int, seed: int = 0, crashes: list[str] | None
     return run_side_by_side(trial_sequence(root, trials, seed, crashes, log, mode, first_step))[0]
 
 
-def run_side_by_side(*sequences: Generator[tuple[Path, int, str, str], _JobOutcome, TortureStats]) -> list[TortureStats]:
+def run_side_by_side(*sequences: Generator[tuple[Any, ...], _JobOutcome, TortureStats]) -> list[TortureStats]:
     """Drive several :func:`trial_sequence` s (each on its own root) with
     :func:`tests.support.side_by_side.drive`: the k-th jobs of all of them run
     at once, each sequence's checks run here between its jobs. Their stats, in order."""
-    return drive(sequences, lambda job: _start_job(*job), lambda run: _finish_job(*run), _abandon_job)
+    return drive(sequences, _start_job, _finish_job, _abandon_job)
 
 
-def _abandon_job(run: tuple[subprocess.Popen[bytes], float]) -> None:
-    """Kill a started job's process group if it still runs (a side-by-side job failed)."""
-    job = run[0]
-    if job.poll() is None:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
+def _abandon_job(run: _Started) -> None:
+    """Kill a started job's process group (and what ran beside it) if it
+    still runs (a side-by-side job failed)."""
+    for job in (run[0], run[2][0] if run[2] is not None else None):
+        if job is not None and job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
 
 
 def trial_sequence(root: Path, trials: int, seed: int = 0, crashes: list[str] | None = None,
@@ -336,5 +418,118 @@ def trial_sequence(root: Path, trials: int, seed: int = 0, crashes: list[str] | 
         if log is not None:
             log(f"trial {step:>4} {crash:<24} exit {job.returncode:>4} {job.seconds:5.1f}s "
                 f"committed={committed} newest={newest} tags={after}{detail} "
+                + ("OK" if not problems else "VIOLATION " + "; ".join(problems)))
+    return stats
+
+
+def choose_beside(rng: random.Random, committed: list[str], step: int) -> Beside:
+    """A random thing to run beside the save of ``step{step}``."""
+    kind = rng.choice(["compact", "prune", "job"])
+    delay = rng.uniform(0.0, 2.5)  # the save's interpreter start, planning, data, commit, retention
+    if kind == "compact" and committed:
+        return Beside("compact", rng.choice(["none", "none", "mid_compact"]), tag=rng.choice(committed), delay=delay)
+    if kind == "job":
+        return Beside("job", choose_crash(rng), step=BESIDE_STEPS + step, delay=delay)
+    return Beside("prune", rng.choice(["none", "none", "mid_retention"]), delay=delay)
+
+
+#: A second job's steps start here (its tags are ``step{BESIDE_STEPS + n}``).
+BESIDE_STEPS = 1000
+
+
+def _beside_problems(beside: Beside, outcome: _JobOutcome | None) -> list[str]:
+    """How what ran beside may not end: it may be killed where planned, and
+    ``compact`` may refuse (the tag is being saved on, or was deleted)."""
+    if outcome is None:
+        return ["nothing ran beside the job"]
+    if outcome.hung:
+        return [f"{beside.describe()} hung for {JOB_TIMEOUT} s"]
+    if outcome.ok or beside.crash != "none":
+        return []  # a planned kill: the CLI dies by SIGKILL, a job's other rank exits 1
+    if beside.kind == "compact" and outcome.returncode == 2 and "dcp-ext: error:" in outcome.stderr:
+        return []  # refused: a save builds on it, or retention deleted it meanwhile
+    return [f"{beside.describe()} failed: exit {outcome.returncode}: {outcome.stderr}"]
+
+
+def _stale_markers(root: Path, referenced: Collection[tuple[str, str]]) -> list[str]:
+    """Strays markers left by a cleanup pass: one may stay only while its
+    committed directory holds data files its metadata does not name that
+    another checkpoint refers to."""
+    stale = []
+    for directory in sorted(root.glob("*_partial")):
+        marker = root / strays_marker(directory.name.removesuffix("_partial"))
+        if not marker.exists():
+            continue
+        own = {e[0] for e in _document(directory)["files"]} if (directory / METADATA_FILE).exists() else set()
+        kept = {file for d, file in referenced if d == directory.name}
+        if not (set(_data_files(directory)) - own) & kept:
+            stale.append(f"{marker.name} (nothing left for it to mark)")
+    return stale + [f"{p.name} (its directory is gone)" for p in root.glob(".dcp_ext.strays.*")
+                    if not (root / (p.name.removeprefix(".dcp_ext.strays.").removesuffix(".json") + "_partial")).exists()]
+
+
+def _all_load(manager: dcp_ext.CheckpointManager, root: Path, when: str) -> list[str]:
+    """Check 8: every committed tag loads bit-exact; every referenced file exists."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tags = manager.tags()
+    problems = [f"{when}: {p}" for p in (_check_tag(manager, tag, True) for tag in tags) if p]
+    try:
+        referenced = manager.checkpoints.referenced_files()
+    except Exception as err:  # noqa: BLE001 - an unreadable committed metadata is the violation
+        return problems + [f"{when}: referenced files unknown: {type(err).__name__}: {err}"]
+    return problems + [f"{when}: {p}" for p in _missing_references(root, referenced)]
+
+
+def concurrent_sequence(root: Path, trials: int, seed: int = 0, plan: list[tuple[str, Beside]] | None = None,
+                        log: Any = None) -> Generator[tuple[Any, ...], _JobOutcome, TortureStats]:
+    """Trials of incremental saves with something beside each on the same
+    root (checks 8 and 9 of the module docstring), as a sequence for
+    :func:`run_side_by_side`. ``plan``: ``(crash, beside)`` per trial
+    (default: ``trials`` random ones)."""
+    rng = random.Random(seed)
+    stats = TortureStats()
+    manager = dcp_ext.CheckpointManager(root)
+    step = 0
+    for k in range(len(plan) if plan is not None else trials):
+        step += 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            committed = manager.tags()
+        crash, beside = plan[k] if plan is not None else (choose_crash(rng), choose_beside(rng, committed, step))
+        job = yield Path(root), step, crash, "sync-incremental", beside
+        stats.trials += 1
+        kind = crash.split(":")[1] if crash != "none" else "none"
+        stats.by_crash[kind] = stats.by_crash.get(kind, 0) + 1
+        stats.beside[beside.kind] = stats.beside.get(beside.kind, 0) + 1
+        stats.armed += crash != "none"
+        stats.kills += not job.ok
+        problems = [f"job hung for {JOB_TIMEOUT} s"] if job.hung else []
+        if crash == "none" and not job.ok:
+            problems.append(f"uncrashed save failed: {job.stderr}")
+        problems += _beside_problems(beside, job.beside)
+        if job.beside is not None and beside.kind == "compact" and job.beside.returncode == 2:
+            stats.refused += 1
+        problems += _all_load(manager, Path(root), "after the trial")
+        # Check 9: the next save's leftover pass (every process of the trial has ended).
+        try:
+            manager.checkpoints.remove_leftovers()
+            referenced = manager.checkpoints.referenced_files()
+            left = _leftovers(Path(root), referenced)
+            left += _stale_markers(Path(root), referenced)
+        except Exception as err:  # noqa: BLE001 - a cleanup that fails is the violation
+            left = [f"cleanup failed: {type(err).__name__}: {err}"]
+        if left:
+            problems.append(f"leftovers after a cleanup pass: {left}")
+        problems += _all_load(manager, Path(root), "after the cleanup pass")
+        stats.violations.extend(f"trial {step} ({crash} | {beside.describe()}): {p}" for p in problems)
+        _tally(stats, kind, killed=not job.ok, committed_despite_kill=False, violations=len(problems))
+        if log is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                after, newest = manager.tags(), manager.read_newest()
+            beside_exit = job.beside.returncode if job.beside is not None else None
+            log(f"trial {step:>4} {crash:<24} exit {job.returncode:>4} | {beside.describe():<40} exit {beside_exit} "
+                f"{job.seconds:5.1f}s newest={newest} tags={after} "
                 + ("OK" if not problems else "VIOLATION " + "; ".join(problems)))
     return stats

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import demo
-from .metadata import METADATA_FILE, DecodedMetadata, StoredItem
+from .metadata import METADATA_FILE, TORCH_METADATA_FILE, DecodedMetadata, StoredItem
 from .metadata.decode import MAX_CREATED
 from .metadata.chunk_table import ChunkLocations, KeyTotals
 from ._safetensors import MAX_HEADER, parse_header
@@ -187,6 +187,9 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
         if store.exists(RETIRED_FILE):  # deleted; keeps the files later incremental checkpoints refer to
             kept = [n for n in store.list_tree() if n.endswith(".distcp")]
             return entry | {"state": "retired", "stored_bytes": sum(store.size(n) for n in kept)}
+        if store.exists(TORCH_METADATA_FILE):  # committed by torch's own writer: resumable, never cleaned up
+            data = [n for n in store.list_tree() if n.endswith(".distcp")]
+            return entry | {"state": "torch", "stored_bytes": sum(store.size(n) for n in data)}
         return entry | {"state": "incomplete"}
     except (CheckpointCorruptError, UnsupportedCodecError) as err:
         # One damaged (or hostile) tag must not hide the others: it is listed as such.

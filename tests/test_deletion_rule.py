@@ -141,6 +141,10 @@ def test_cleanup_touches_only_what_dcp_ext_wrote(tmp_path: Path) -> None:
     with pytest.raises(ForeignCheckpointError, match="torch's own writer"):
         manager.delete("init")
     assert dcp_ext.CheckpointRoot(str(root)).remove_leftovers().uncommitted == ()
+    listed = subprocess.run([sys.executable, "-m", "dcp_ext", "ls", str(root), "--json"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    states = {entry["tag"]: entry["state"] for entry in json.loads(listed.stdout)["checkpoints"]}
+    assert states["init"] == "torch" and states["step2"] == "committed", listed.stdout
     assert (root / "init_partial" / ".metadata").exists() and (root / "crashed_partial" / "__0_0.distcp").exists()
     manager.close()
 

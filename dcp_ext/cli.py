@@ -188,8 +188,8 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
             kept = [n for n in store.list_tree() if n.endswith(".distcp")]
             return entry | {"state": "retired", "stored_bytes": sum(store.size(n) for n in kept)}
         if store.exists(TORCH_METADATA_FILE):  # committed by torch's own writer: resumable, never cleaned up
-            data = [n for n in store.list_tree() if n.endswith(".distcp")]
-            return entry | {"state": "torch", "stored_bytes": sum(store.size(n) for n in data)}
+            files = [n for n in store.list_tree() if n.endswith(".distcp")]
+            return entry | {"state": "torch", "stored_bytes": sum(store.size(n) for n in files)}
         return entry | {"state": "incomplete"}
     except (CheckpointCorruptError, UnsupportedCodecError) as err:
         # One damaged (or hostile) tag must not hide the others: it is listed as such.

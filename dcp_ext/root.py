@@ -529,7 +529,7 @@ class CheckpointRoot:
         retired = self.retired_tags() if retired is None else list(retired)
         if not retired:
             return []
-        return self._sweep({tag: "retired" for tag in retired}, {}).retired
+        return list(self._sweep({tag: "retired" for tag in retired}, {}).retired)
 
     def apply_retention(self, policy: RetentionPolicy, protect: Collection[str] = (), *, dry_run: bool = False) -> list[str]:
         """Delete the committed checkpoints ``policy`` does not keep; never the
@@ -621,10 +621,10 @@ class CheckpointRoot:
                 candidates[tag] = kind
         markers: dict[str, str] = {}
         for name in names:
-            tag = _marked_tag(name)
-            if tag is not None and tag != current:
-                if partial_dir(tag) in dirs:
-                    markers[tag] = name
+            marked = _marked_tag(name)
+            if marked is not None and marked != current:
+                if partial_dir(marked) in dirs:
+                    markers[marked] = name
                 else:
                     self.store.delete(name)  # its directory is gone
         swept = self._sweep(candidates, markers) if candidates or markers else LeftoverReport()

@@ -124,7 +124,7 @@ class LockState:
 
 def hold(save_id: str, holder: object) -> None:
     """Count the lock or lease ``save_id`` as held by this process while ``holder`` lives."""
-    _HELD[save_id] = holder  # type: ignore[assignment]
+    _HELD[save_id] = holder
 
 
 def forget(save_id: str) -> None:

@@ -33,7 +33,7 @@ def validate_name_part(part: object, where: str, what: str = "name") -> str:
     Raises:
         UnsafeNameError: Otherwise, naming ``where`` and the value.
     """
-    if not isinstance(part, str) or not _PART.fullmatch(part) or part in (".", ".."):
+    if not isinstance(part, str) or not _plain(part):
         raise UnsafeNameError(
             f"{where}: {what} {part!r} is not a plain name (letters, digits and . _ - only, "
             f"not starting with '.'); refusing to use it",
@@ -57,11 +57,14 @@ def validate_relative_name(name: object, where: str, what: str = "file name") ->
     """
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH:
         raise UnsafeNameError(f"{where}: invalid {what} {name!r}", where)
-    for part in name.split("/"):
-        if not isinstance(part, str) or not _PART.fullmatch(part) or part in (".", ".."):
-            raise UnsafeNameError(
-                f"{where}: {what} {name!r} is not a plain relative name; refusing to use it "
-                f"(it could name something outside its directory)",
-                where,
-            )
+    if not all(_plain(part) for part in name.split("/")):
+        raise UnsafeNameError(
+            f"{where}: {what} {name!r} is not a plain relative name; refusing to use it "
+            f"(it could name something outside its directory)",
+            where,
+        )
     return name
+
+
+def _plain(part: object) -> bool:
+    return isinstance(part, str) and _PART.fullmatch(part) is not None and part not in (".", "..")

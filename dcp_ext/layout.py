@@ -117,6 +117,16 @@ def validate_tag(tag: object) -> str:
     return tag
 
 
+def is_valid_tag(tag: object) -> bool:
+    """Whether :func:`validate_tag` accepts ``tag`` (for names read from a
+    listing or a file, which are skipped rather than refused)."""
+    try:
+        validate_tag(tag)
+    except InvalidTagError:
+        return False
+    return True
+
+
 def partial_dir(tag: str) -> str:
     """``step100`` -> ``step100_partial``."""
     return f"{validate_tag(tag)}{PARTIAL_SUFFIX}"

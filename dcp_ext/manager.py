@@ -74,6 +74,7 @@ from .layout import (
     MeshInfo,
     Partition,
     TagInfo,
+    is_valid_tag,
     partial_dir,
     user_content_name,
     validate_tag,
@@ -551,7 +552,7 @@ class CheckpointManager:
         """
         checkpoints = self.checkpoints
         base = checkpoints.newest_record()
-        if base is not None and not _valid_tag(base):
+        if base is not None and not is_valid_tag(base):
             base = checkpoints.newest()  # warns
         for attempt in range(2):
             if base is None or base == tag:
@@ -1249,12 +1250,6 @@ def _root_refers(root: CheckpointRoot, tag: str) -> bool:
         return False
 
 
-def _valid_tag(tag: str) -> bool:
-    try:
-        validate_tag(tag)
-    except DcpExtError:
-        return False
-    return True
 
 
 def _read_optional(store: Store, name: str) -> bytes | None:

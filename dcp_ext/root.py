@@ -59,6 +59,7 @@ from .layout import (
     PARTITION_FILE,
     USER_CONTENT_FILE,
     TagInfo,
+    is_valid_tag,
     partial_dir,
     user_content_name,
     validate_tag,
@@ -110,7 +111,7 @@ def _marked_tag(name: str) -> str | None:
     if not name.startswith(_STRAYS_PREFIX) or not name.endswith(_STRAYS_SUFFIX):
         return None
     tag = name[len(_STRAYS_PREFIX): -len(_STRAYS_SUFFIX)]
-    return tag if _valid(tag) else None
+    return tag if is_valid_tag(tag) else None
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,7 @@ class CheckpointRoot:
         checkpoints saved with ``full_format="hf"``: their index exists)."""
         return [
             name for name in self.store.list_dirs()
-            if not name.endswith(PARTIAL_SUFFIX) and _valid(name) and self.store.exists(f"{name}/{HF_INDEX_FILE}")
+            if not name.endswith(PARTIAL_SUFFIX) and is_valid_tag(name) and self.store.exists(f"{name}/{HF_INDEX_FILE}")
         ]
 
     def hf_store(self, tag: str) -> Store:
@@ -635,7 +636,7 @@ class CheckpointRoot:
             tag = directory[: -len(PARTIAL_SUFFIX)] if directory.endswith(PARTIAL_SUFFIX) else ""
             if now - upload.initiated < float(save_lock.STALE_LOCK_SECONDS):
                 continue  # may belong to a save in flight
-            if tag and (tag == current or (_valid(tag) and _lock_live(self.partial_store(tag)))):
+            if tag and (tag == current or (is_valid_tag(tag) and _lock_live(self.partial_store(tag)))):
                 continue
             log.info("aborting incomplete upload of %s started %.0f s ago", upload.name, now - upload.initiated)
             self.store.abort_upload(upload)
@@ -740,9 +741,3 @@ def _lock_live(store: Store) -> bool:
     return state is not None and state.live
 
 
-def _valid(tag: str) -> bool:
-    try:
-        validate_tag(tag)
-    except DcpExtError:
-        return False
-    return True

@@ -65,7 +65,7 @@ from .codecs import Codec, resolve_codec
 from .config import IOConfig
 from .frames import FrameEncoder
 from .errors import CheckpointExistsError, CheckpointInUseError, DcpExtError, PostCommitError
-from .layout import DATA_SUFFIX, PARTIAL_SUFFIX, FileAssignment, InvalidTagError, item_nbytes, spread_name, validate_tag
+from .layout import DATA_SUFFIX, PARTIAL_SUFFIX, FileAssignment, is_valid_tag, item_nbytes, spread_name
 from .incremental import BaseFrames, IncrementalSave, read_base
 from .root import RETIRED_FILE, CheckpointRoot, strays_marker
 from .save_lock import LOCK_FILE, SaveLock
@@ -290,7 +290,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         root's one rule, :mod:`dcp_ext.root`), and mark the directory in the
         root as holding strays until the replaced files are gone."""
         parent, _, directory = self.path.rstrip("/").rpartition("/")
-        if not parent or not directory.endswith(PARTIAL_SUFFIX) or not _valid_tag(directory[: -len(PARTIAL_SUFFIX)]):
+        if not parent or not directory.endswith(PARTIAL_SUFFIX) or not is_valid_tag(directory[: -len(PARTIAL_SUFFIX)]):
             return
         if not existing and not store.exists(RETIRED_FILE):
             return  # a new directory, or an uncommitted one: nothing refers to its files
@@ -555,12 +555,6 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-def _valid_tag(tag: str) -> bool:
-    try:
-        validate_tag(tag)
-    except InvalidTagError:
-        return False
-    return True
 
 
 def _append_frame_index(writer: Any, stored: list[StoredItem]) -> list[StoredItem]:

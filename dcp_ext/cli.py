@@ -38,10 +38,10 @@ from .full import CREATED_KEY
 from .hf_folder import read_hf_index
 from .hf_layout import HF_INDEX_FILE
 from .integrity import read_own_metadata, verify, verify_full
-from .layout import PARTIAL_SUFFIX
+from .layout import PARTIAL_SUFFIX, RETIRED_FILE
 from .pretrained import HF_MARKERS
 from .retention import KeepEvery, KeepLast, RetentionPolicy
-from .root import RETIRED_FILE, CheckpointRoot
+from .root import CheckpointRoot
 from .storage import Store, join_path, normalize_path, open_store
 
 __all__ = ["main"]

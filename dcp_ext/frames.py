@@ -42,7 +42,7 @@ from ._ranges import Piece
 from ._torch_format import Envelope
 from .codecs import Codec, check_descriptors, decode_frame
 from .config import usable_cores
-from .incremental import BaseItem
+from .base_item import BaseItem
 from .errors import CheckpointCorruptError, ChecksumMismatchError, DcpExtError
 
 __all__ = [

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from .config import IOConfig
+from .base_item import HASH_BYTES, BaseItem
 from .leases import Lease
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .metadata import METADATA_FILE, IncrementalSection, StoredItem, decode_metadata
@@ -51,7 +52,7 @@ from .read_planning import ChunkShapes
 from .storage import open_store
 
 __all__ = [
-    "IncrementalSave", "BaseItem", "BaseFrames", "read_base", "restart_reason", "DEFAULT_MAX_CHAIN", "HASH_BYTES",
+    "IncrementalSave", "BaseFrames", "read_base", "restart_reason", "DEFAULT_MAX_CHAIN",
     "MIN_REFERENCED_BYTES",
 ]
 
@@ -61,8 +62,6 @@ log = logging.getLogger("dcp_ext.incremental")
 #: saves a checkpoint depends on. Storage is bounded by :func:`restart_reason`,
 #: so frozen weights are not rewritten every few saves for nothing.
 DEFAULT_MAX_CHAIN = 32
-#: Bytes of a frame's content hash (xxh3-128 of its raw bytes).
-HASH_BYTES = 16
 #: Items smaller than this (or than one frame, if frames are smaller) are
 #: written by every save, never referred to: a few bytes that do not change
 #: (an optimizer's ``param_groups``, a frozen bias) would otherwise keep a
@@ -105,38 +104,6 @@ class IncrementalSave:
             raise ValueError(f"max_chain must be >= 0, got {self.max_chain}")
         if (self.base_url is None) != (self.base_dir is None):
             raise ValueError("IncrementalSave needs both base_url and base_dir, or neither")
-
-
-@dataclass(frozen=True)
-class BaseItem:
-    """One stored item of the base checkpoint, as the next save compares with it.
-
-    Attributes:
-        frame_size: Raw bytes per frame.
-        transforms: Its codec's transform descriptors (``()``: raw).
-        raw_size: Raw bytes of the item.
-        hashes: xxh3-128 of each frame's raw bytes (16 bytes each).
-        checksums: xxh3-64 of each frame's stored bytes.
-        lengths: Stored bytes of each frame.
-        offsets: Where each frame's stored bytes start in the file holding them.
-        sources: That file, as a reference name from a sibling checkpoint.
-    """
-
-    frame_size: int
-    transforms: tuple[str, ...]
-    raw_size: int
-    hashes: bytes
-    checksums: tuple[int, ...]
-    lengths: tuple[int, ...]
-    offsets: tuple[int, ...]
-    sources: tuple[str, ...]
-
-    def matches(self, frame_size: int, transforms: tuple[str, ...], raw_size: int) -> bool:
-        """Whether frames written with these settings line up with this item's."""
-        return (self.frame_size, self.transforms, self.raw_size) == (frame_size, transforms, raw_size)
-
-    def hash_of(self, k: int) -> bytes:
-        return self.hashes[HASH_BYTES * k : HASH_BYTES * (k + 1)]
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ from ._names import validate_relative_name
 from .config import IOConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ChecksumMismatchError, DcpExtError
 from .frames import checksum, frame_table
-from .incremental import HASH_BYTES, BaseFrames, IncrementalSave, read_base, restart_reason
+from .base_item import HASH_BYTES
+from .incremental import BaseFrames, IncrementalSave, read_base, restart_reason
 from .layout import PARTIAL_SUFFIX, partial_dir
 from .metadata import METADATA_FILE, StoredItem, encode_metadata, read_incremental_section
 from .metadata.chunk_table import ChunkLocations

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,11 @@ from ._names import validate_relative_name
 from .errors import CheckpointCorruptError, DcpExtError
 
 __all__ = [
+    "RETIRED_FILE",
+    "strays_marker",
+    "strays_marker_tag",
+    "is_valid_tag",
+    "tags_of_partial_dirs",
     "InvalidTagError",
     "validate_tag",
     "partial_dir",
@@ -130,6 +136,38 @@ def is_valid_tag(tag: object) -> bool:
 def partial_dir(tag: str) -> str:
     """``step100`` -> ``step100_partial``."""
     return f"{validate_tag(tag)}{PARTIAL_SUFFIX}"
+
+
+#: Written in a partial directory whose checkpoint was deleted while later
+#: (incremental) checkpoints still refer to some of its data files: the
+#: directory keeps only those, and is removed once nothing refers to them.
+RETIRED_FILE = "dcp_ext.retired.json"
+_STRAYS_PREFIX = ".dcp_ext.strays."
+_STRAYS_SUFFIX = ".json"
+
+
+def strays_marker(tag: str) -> str:
+    """The root-level marker ``.dcp_ext.strays.{tag}.json``: the committed
+    directory of ``tag`` may hold data files its metadata does not name (a
+    compaction or an overwrite killed before removing the files it
+    replaced, or replaced files another checkpoint still refers to).
+    Leftover cleanup removes those files once nothing refers to them, then
+    the marker."""
+    return f"{_STRAYS_PREFIX}{validate_tag(tag)}{_STRAYS_SUFFIX}"
+
+
+def strays_marker_tag(name: str) -> str | None:
+    """The tag of a root-level :func:`strays_marker` name, else ``None``."""
+    if not name.startswith(_STRAYS_PREFIX) or not name.endswith(_STRAYS_SUFFIX):
+        return None
+    tag = name[len(_STRAYS_PREFIX): -len(_STRAYS_SUFFIX)]
+    return tag if is_valid_tag(tag) else None
+
+
+def tags_of_partial_dirs(names: Iterable[str]) -> list[str]:
+    """The tags of the ``{tag}_partial`` names in a listing (other names skipped)."""
+    return [name[: -len(PARTIAL_SUFFIX)] for name in names
+            if name.endswith(PARTIAL_SUFFIX) and is_valid_tag(name[: -len(PARTIAL_SUFFIX)])]
 
 
 def user_content_name(tag: str) -> str:

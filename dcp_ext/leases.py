@@ -33,10 +33,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from . import save_lock
 from .config import IOConfig
 from .errors import DcpExtError
-from .save_lock import LockRecord, LockState
+from .save_lock import LockRecord, LockState, file_state, forget, hold
 from .storage import Store, open_store
 
 __all__ = ["LEASE_PREFIX", "LEASE_SUFFIX", "Lease", "is_lease_name", "live_leases"]
@@ -91,12 +90,12 @@ class Lease:
     def take(self) -> None:
         """(coordinator) Write the lease; from now on no deleter touches the base."""
         self.store.write_file(self.name, self.record.to_json())
-        save_lock.hold(self.id, self)
+        hold(self.id, self)
         self.held = True
 
     def end(self) -> None:
         """(coordinator) Delete the lease (after the commit, or the failure)."""
-        save_lock.forget(self.id)
+        forget(self.id)
         if not self.held:
             return
         self.held = False
@@ -131,7 +130,7 @@ def live_leases(root: Store, names: list[str], now: float | None = None) -> list
     for name in names:
         if not is_lease_name(name):
             continue
-        state = save_lock.file_state(root, name, now)
+        state = file_state(root, name, now)
         if state is None:
             continue  # ended meanwhile
         if state.live:

@@ -36,22 +36,24 @@ import time
 import uuid
 import warnings
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from . import save_lock
 from ._failpoints import crash_point
 from .config import IOConfig
 from .errors import (
     CheckpointInProgressError,
     CheckpointInUseError,
     CheckpointNotFoundError,
-    DcpExtError,
     ForeignCheckpointError,
 )
 from .full_checksums import FOLDER_SIDECAR
 from .hf_layout import HF_CONFIG_FILE, HF_INDEX_FILE, is_shard_name
 from .layout import (
+    tags_of_partial_dirs,
+    strays_marker_tag,
+    strays_marker,
+    RETIRED_FILE,
     CHECKSUMS_SUFFIX,
     DATA_SUFFIX,
     NEWEST_FILE,
@@ -64,21 +66,19 @@ from .layout import (
     user_content_name,
     validate_tag,
 )
-from .leases import LiveLease, is_lease_name, live_leases
 from .metadata import (
     METADATA_FILE,
     TORCH_METADATA_FILE,
     decode_metadata,
-    read_created,
-    read_incremental_section,
-    read_leading_field,
 )
-from .metadata.document import INCREMENTAL_VERSION, REFERENCE_PREFIX, split_reference
+from .metadata.document import REFERENCE_PREFIX
+from .compact import CompactReport, compact
 from .retention import RetentionPolicy, select_for_deletion
-from .save_lock import SaveLock
+from .root_scan import RootScan, committed_heads, scan_root
+from .save_lock import SaveLock, lock_state, stale_lock_seconds
 from .storage import TMP_MARK, Store, join_path, normalize_path, open_store
 
-__all__ = ["CheckpointRoot", "LeftoverReport", "RootScan", "RETIRED_FILE", "strays_marker"]
+__all__ = ["CheckpointRoot", "LeftoverReport"]
 
 log = logging.getLogger("dcp_ext.root")
 
@@ -86,34 +86,6 @@ log = logging.getLogger("dcp_ext.root")
 # files; deletion touches nothing else. Torch's .metadata is removed first
 # when a checkpoint is un-committed, dcp_ext's own metadata (the commit) last.
 _OWN_FILES = (TORCH_METADATA_FILE, METADATA_FILE, PARTITION_FILE, USER_CONTENT_FILE)
-# Enough of the metadata document to hold its "created" field (written near its start).
-_HEAD_BYTES = 512
-#: Written in a partial directory whose checkpoint was deleted while later
-#: (incremental) checkpoints still refer to some of its data files: the
-#: directory keeps only those, and is removed once nothing refers to them.
-RETIRED_FILE = "dcp_ext.retired.json"
-_STRAYS_PREFIX = ".dcp_ext.strays."
-_STRAYS_SUFFIX = ".json"
-
-
-def strays_marker(tag: str) -> str:
-    """The root-level marker ``.dcp_ext.strays.{tag}.json``: the committed
-    directory of ``tag`` may hold data files its metadata does not name (a
-    compaction or an overwrite killed before removing the files it
-    replaced, or replaced files another checkpoint still refers to).
-    Leftover cleanup removes those files once nothing refers to them, then
-    the marker."""
-    return f"{_STRAYS_PREFIX}{validate_tag(tag)}{_STRAYS_SUFFIX}"
-
-
-def _marked_tag(name: str) -> str | None:
-    """The tag of a root-level strays marker name, else ``None``."""
-    if not name.startswith(_STRAYS_PREFIX) or not name.endswith(_STRAYS_SUFFIX):
-        return None
-    tag = name[len(_STRAYS_PREFIX): -len(_STRAYS_SUFFIX)]
-    return tag if is_valid_tag(tag) else None
-
-
 @dataclass(frozen=True)
 class LeftoverReport:
     """What :meth:`CheckpointRoot.remove_leftovers` removed.
@@ -133,47 +105,6 @@ class LeftoverReport:
     uploads: tuple[str, ...] = ()
     retired: tuple[str, ...] = ()
     strays: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class RootScan:
-    """What may not be deleted or rewritten in a root, read after the locks were taken.
-
-    Attributes:
-        heads: Committed checkpoints (dcp_ext's), oldest first, each with
-            the first bytes of its metadata.
-        references: For each committed incremental checkpoint, the
-            ``(directory, file)`` of every data file it refers to.
-        leases: The live leases of saves in flight.
-    """
-
-    heads: tuple[tuple[TagInfo, bytes], ...] = ()
-    references: dict[str, frozenset[tuple[str, str]]] = field(default_factory=dict)
-    leases: tuple[LiveLease, ...] = ()
-
-    @property
-    def committed(self) -> set[str]:
-        return {info.tag for info, _ in self.heads}
-
-    def referenced(self, exclude: Collection[str] = ()) -> set[tuple[str, str]]:
-        """``(directory, file)`` of every data file that a committed
-        checkpoint other than those in ``exclude`` refers to."""
-        found: set[tuple[str, str]] = set()
-        for tag, refs in self.references.items():
-            if tag not in exclude:
-                found |= refs
-        return found
-
-    def pinned_by(self, tag: str) -> str | None:
-        """Why ``tag`` must stay as it is (a live save builds on it), or ``None``."""
-        for lease in self.leases:
-            if lease.base is None:
-                return f"a save in progress whose lease cannot be read ({lease.state.reason})"
-            if lease.base == tag:
-                record = lease.state.record
-                saving = f"{record.tag!r} " if record is not None and record.tag else ""
-                return f"the save of {saving}builds on it ({lease.state.reason})"
-        return None
 
 
 class CheckpointRoot:
@@ -219,14 +150,7 @@ class CheckpointRoot:
     def partial_tags(self, dirs: Iterable[str] | None = None) -> list[str]:
         """Tags of every ``{tag}_partial`` directory, committed or not
         (``dirs``: the root's directory listing, if the caller has it)."""
-        tags = []
-        for name in self.store.list_dirs() if dirs is None else dirs:
-            if name.endswith(PARTIAL_SUFFIX):
-                try:
-                    tags.append(validate_tag(name[: -len(PARTIAL_SUFFIX)]))
-                except DcpExtError:
-                    continue  # not ours
-        return tags
+        return tags_of_partial_dirs(self.store.list_dirs() if dirs is None else dirs)
 
     def full_candidates(self) -> list[str]:
         """Files in the root that may be full checkpoints: not ``newest``, user
@@ -269,14 +193,7 @@ class CheckpointRoot:
     def _committed_heads(self, dirs: Iterable[str] | None = None) -> list[tuple[TagInfo, bytes]]:
         """Committed partial checkpoints, oldest first, each with the first
         bytes of its metadata (one listing, one small read per checkpoint)."""
-        found = []
-        for tag in self.partial_tags(dirs):
-            try:
-                head = self.partial_store(tag).read_head(METADATA_FILE, _HEAD_BYTES)
-            except CheckpointNotFoundError:
-                continue  # never committed (failed or running save), or a torch checkpoint
-            found.append((TagInfo(tag, read_created(head) or 0.0), head))
-        return sorted(found, key=lambda entry: (entry[0].committed_at, entry[0].tag))
+        return committed_heads(self.partial_store, self.partial_tags(dirs))
 
     def is_torch_checkpoint(self, tag: str) -> bool:
         """Whether ``{tag}_partial`` holds a checkpoint committed by torch's own
@@ -318,42 +235,9 @@ class CheckpointRoot:
 
     # -- what must stay ----------------------------------------------------------------
     def scan(self) -> RootScan:
-        """What may not be deleted or rewritten now: the live leases of saves
-        in flight and what every committed checkpoint refers to.
-
-        Call it *after* taking the save locks of the directories you will
-        change (see the module docstring): the leases are read before the
-        committed checkpoints, so a save that ends meanwhile is seen either
-        by its lease or by its commit. Only incremental (version 4)
-        documents are read whole.
-
-        Raises:
-            CheckpointCorruptError: An incremental checkpoint's metadata cannot
-                be read: what it refers to is unknown, so nothing may be deleted.
-        """
-        names, dirs = self.store.list_entries()
-        listed = [name for name in names if is_lease_name(name)]
-        leases = live_leases(self.store, listed)
-        if len(leases) < len(listed):
-            # A save ended between the listing and the read of its lease: its
-            # committed directory may be newer than the listing.
-            dirs = self.store.list_dirs()
-        heads = self._committed_heads(dirs)
-        references: dict[str, frozenset[tuple[str, str]]] = {}
-        for info, head in heads:
-            version = read_leading_field(head, "version")
-            if isinstance(version, int) and not isinstance(version, bool) and version != INCREMENTAL_VERSION:
-                continue  # only incremental checkpoints (version 4) refer to other files
-            store = self.partial_store(info.tag)
-            try:
-                data = store.read_file(METADATA_FILE)
-            except CheckpointNotFoundError:
-                continue  # deleted meanwhile
-            section = read_incremental_section(data, store.describe(METADATA_FILE))
-            if section is not None:
-                references[info.tag] = frozenset(
-                    split_reference(name, store.describe(METADATA_FILE)) for name in section.references)
-        return RootScan(tuple(heads), references, tuple(leases))
+        """What may not be deleted or rewritten now (:func:`dcp_ext.guard.scan_root`):
+        call it *after* taking the save locks of the directories you will change."""
+        return scan_root(self.store, self.partial_store)
 
     def referenced_files(
         self, exclude: Collection[str] = (), heads: list[tuple[TagInfo, bytes]] | None = None
@@ -368,12 +252,6 @@ class CheckpointRoot:
         """
         del heads  # the scan lists and reads the heads itself
         return self.scan().referenced(exclude)
-
-    def referrers(self, tag: str, scan: RootScan) -> list[str]:
-        """The committed tags (in ``scan``) that refer to data files of ``tag``."""
-        directory = partial_dir(tag)
-        return sorted(other for other, refs in scan.references.items()
-                      if other != tag and any(d == directory for d, _ in refs))
 
     def retired_tags(self) -> list[str]:
         """Tags whose directory is retired: deleted, but holding data files a
@@ -553,7 +431,7 @@ class CheckpointRoot:
         first = {info.tag: head for info, head in heads}
         return self._delete_tags(doomed, refuse=False, heads={tag: first[tag] for tag in doomed})
 
-    def compact(self, tag: str) -> Any:
+    def compact(self, tag: str) -> CompactReport:
         """(one process) Rewrite the incremental checkpoint ``tag``
         self-contained (:func:`dcp_ext.compact.compact`) under its save lock,
         by the one rule: refused while a save to it or one that builds on it
@@ -568,8 +446,6 @@ class CheckpointRoot:
             CheckpointInUseError: A save to ``tag``, or one that builds on it, is in progress.
             CheckpointNotFoundError: ``tag`` is not a committed checkpoint.
         """
-        from .compact import compact
-
         lock = self._lock(validate_tag(tag), "compact", refuse=True)
         assert lock is not None
         marker = strays_marker(tag)
@@ -622,7 +498,7 @@ class CheckpointRoot:
                 candidates[tag] = kind
         markers: dict[str, str] = {}
         for name in names:
-            marked = _marked_tag(name)
+            marked = strays_marker_tag(name)
             if marked is not None and marked != current:
                 if partial_dir(marked) in dirs:
                     markers[marked] = name
@@ -634,7 +510,7 @@ class CheckpointRoot:
         for upload in self.store.list_incomplete_uploads():
             directory = upload.name.partition("/")[0]
             tag = directory[: -len(PARTIAL_SUFFIX)] if directory.endswith(PARTIAL_SUFFIX) else ""
-            if now - upload.initiated < float(save_lock.STALE_LOCK_SECONDS):
+            if now - upload.initiated < stale_lock_seconds():
                 continue  # may belong to a save in flight
             if tag and (tag == current or (is_valid_tag(tag) and _lock_live(self.partial_store(tag)))):
                 continue
@@ -654,7 +530,7 @@ class CheckpointRoot:
                 modified = self.store.modified(name)
             except CheckpointNotFoundError:
                 continue
-            if modified is not None and time.time() - modified < float(save_lock.STALE_LOCK_SECONDS):
+            if modified is not None and time.time() - modified < stale_lock_seconds():
                 continue
             self.store.delete(name)
             removed.append(name)
@@ -669,7 +545,7 @@ class CheckpointRoot:
             return None
         if store.exists(RETIRED_FILE):
             return "retired"
-        state = save_lock.lock_state(store)
+        state = lock_state(store)
         if state is not None:
             return None if state.live else "crashed"
         return None if store.list_tree() else "empty"
@@ -737,7 +613,7 @@ class CheckpointRoot:
 
 
 def _lock_live(store: Store) -> bool:
-    state = save_lock.lock_state(store)
+    state = lock_state(store)
     return state is not None and state.live
 
 

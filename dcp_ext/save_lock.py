@@ -37,7 +37,7 @@ from typing import Any
 from .errors import CheckpointInProgressError, CheckpointNotFoundError, DcpExtError
 from .storage import Store
 
-__all__ = ["LOCK_FILE", "STALE_LOCK_SECONDS", "LockRecord", "LockState", "SaveLock", "lock_state", "file_state", "hold", "forget"]
+__all__ = ["LOCK_FILE", "STALE_LOCK_SECONDS", "LockRecord", "LockState", "SaveLock", "lock_state", "file_state", "hold", "forget", "stale_lock_seconds"]
 
 log = logging.getLogger("dcp_ext.save_lock")
 
@@ -120,6 +120,12 @@ class LockState:
     age: float
     record: LockRecord | None
     reason: str
+
+
+def stale_lock_seconds() -> float:
+    """:data:`STALE_LOCK_SECONDS` as it is now (read at each call, so a test
+    or a deployment that changes the module's value is heard everywhere)."""
+    return float(STALE_LOCK_SECONDS)
 
 
 def hold(save_id: str, holder: object) -> None:

@@ -46,7 +46,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import save_lock
 from ._failpoints import crash_point
 from ._names import validate_relative_name
 from .config import IOConfig
@@ -60,6 +59,7 @@ from .process_group import GroupView
 from .replicas import Transfer, replica_transfers, send_files
 from .retention import KeepLast, RetentionPolicy
 from .root import CheckpointRoot
+from .save_lock import SaveLock
 from .storage import Store
 
 __all__ = ["LocalTier", "LocalTagState", "NodeInventory", "RestorePlan", "drain", "plan_restore"]
@@ -448,7 +448,7 @@ def drain(
         Bytes this rank wrote to the root's data files.
     """
     target = persistent.partial_store(tag)
-    lock = save_lock.SaveLock(target, uuid.uuid4().hex)
+    lock = SaveLock(target, uuid.uuid4().hex)
 
     def take_lock() -> None:
         target.ensure_root()

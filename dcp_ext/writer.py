@@ -65,14 +65,25 @@ from .codecs import Codec, resolve_codec
 from .config import IOConfig
 from .frames import FrameEncoder
 from .errors import CheckpointExistsError, CheckpointInUseError, DcpExtError, PostCommitError
-from .layout import DATA_SUFFIX, PARTIAL_SUFFIX, FileAssignment, is_valid_tag, item_nbytes, spread_name
+from .layout import (
+    DATA_SUFFIX,
+    PARTIAL_SUFFIX,
+    RETIRED_FILE,
+    FileAssignment,
+    is_valid_tag,
+    item_nbytes,
+    partial_dir,
+    spread_name,
+    strays_marker,
+)
 from .incremental import BaseFrames, IncrementalSave, read_base
-from .root import RETIRED_FILE, CheckpointRoot, strays_marker
+from .root_scan import scan_root
 from .save_lock import LOCK_FILE, SaveLock
 from .save_planner import LayoutSavePlanner
 from .staging import copy_state
-from .storage import TMP_MARK, Store, normalize_path, open_store
-from .write_results import StoredColumns, collect_stored, pack_results
+from .storage import TMP_MARK, Store, join_path, normalize_path, open_store
+from .metadata.stored_columns import StoredColumns
+from .write_results import collect_stored, pack_results
 
 __all__ = ["CheckpointWriter"]
 
@@ -295,12 +306,13 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         if not existing and not store.exists(RETIRED_FILE):
             return  # a new directory, or an uncommitted one: nothing refers to its files
         tag = directory[: -len(PARTIAL_SUFFIX)]
-        root = CheckpointRoot(parent, self.config, self.storage_options)
-        scan = root.scan()
+        root = open_store(parent, self.config, self.storage_options)
+        scan = scan_root(
+            root, lambda t: open_store(join_path(parent, partial_dir(t)), self.config, self.storage_options))
         reason = scan.pinned_by(tag)
         if reason is not None:
             raise CheckpointInUseError(f"cannot save {self.path} again now: {reason}. Nothing was changed", self.path)
-        referrers = root.referrers(tag, scan)
+        referrers = scan.referrers(tag)
         if referrers:
             raise CheckpointInUseError(
                 f"{self.path} holds data files that the incremental checkpoint(s) {', '.join(referrers)} refer to: "
@@ -308,8 +320,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 f"(or compact) {', '.join(referrers)} first",
                 self.path,
             )
-        self._strays = (root.store, strays_marker(tag))
-        root.store.write_file(self._strays[1], b"{}")
+        self._strays = (root, strays_marker(tag))
+        root.write_file(self._strays[1], b"{}")
 
     def _refuse_existing(self, store: Store) -> list[str]:
         """The metadata files of a committed checkpoint at the path (torch's

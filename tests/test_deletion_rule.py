@@ -24,7 +24,7 @@ from torch import nn
 import dcp_ext
 from dcp_ext.errors import CheckpointInUseError, ForeignCheckpointError
 from dcp_ext.layout import InvalidTagError
-from dcp_ext.root import RETIRED_FILE, strays_marker
+from dcp_ext.layout import RETIRED_FILE, strays_marker
 from tests.support.backends import Backend, backend_for
 from tests.support.root_jobs import model_at
 
@@ -93,7 +93,7 @@ def test_tag_reuse_never_rewrites_files_others_refer_to(tmp_path: Path) -> None:
     manager = dcp_ext.CheckpointManager(root, incremental=True)
     for step in (1, 2, 3):
         manager.save(f"step{step}", model_at(step))
-    assert manager.checkpoints.referrers("step2", manager.checkpoints.scan()) == ["step3"]
+    assert manager.checkpoints.scan().referrers("step2") == ["step3"]
     model = model_at(0)
     manager.resume(model, tag="step1")
     with torch.no_grad():
@@ -180,7 +180,7 @@ def test_incremental_saves_go_on_past_a_garbage_newest(tmp_path: Path) -> None:
         assert any("newest" in str(w.message) for w in caught), [str(w.message) for w in caught]
         assert manager.read_newest() == tag and _loads(manager, tag, 3)
     # It built on a committed tag: the last save refers to earlier files.
-    assert manager.checkpoints.referrers("step1", manager.checkpoints.scan()) != []
+    assert manager.checkpoints.scan().referrers("step1") != []
     manager.close()
 
 

@@ -18,7 +18,7 @@ from dcp_ext.errors import CheckpointCorruptError, ChecksumMismatchError
 from dcp_ext.metadata import StoredItem
 from dcp_ext.metadata.document import FrameIndexRef
 from dcp_ext.metadata.frame_index import attach_frame_index, encode_frame_index
-from dcp_ext.root import RETIRED_FILE
+from dcp_ext.layout import RETIRED_FILE
 from tests.support import incremental_workers
 from tests.support.backends import backend_for
 from tests.support.compare import state_diff

@@ -1,7 +1,9 @@
 """Checkpoint metadata on storage: dcp_ext's JSON document and torch's pickle.
 
-* :mod:`.document`: the ``dcp_ext.metadata.json`` format, writing it
-  (:func:`encode_metadata`, :func:`seal`) and its own checksum;
+* :mod:`.document`: the ``dcp_ext.metadata.json`` format, the items it
+  records (:class:`StoredItem`), :func:`seal` and its own checksum;
+* :mod:`.encode`: writing it (:func:`encode_metadata`), with the chunk
+  columns of :mod:`.stored_columns`;
 * :mod:`.decode`: reading and validating it (:func:`decode_metadata`), and
   the commit time from its first bytes (:func:`read_created`);
 * :mod:`.torch_pickle`: torch's ``.metadata``, written for interop and read
@@ -26,10 +28,10 @@ from .document import (
     StoredItem,
     check_integrity,
     chunk_shapes,
-    encode_metadata,
     seal,
     validate_file_name,
 )
+from .encode import encode_metadata
 from .torch_pickle import load_torch_metadata, to_torch_metadata
 
 __all__ = [

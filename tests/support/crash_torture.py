@@ -18,7 +18,7 @@ saves refer to earlier checkpoints' data files) also:
 5. every committed tag loads bit-exact, not only ``newest`` and the new
    one: its frames may lie in files of checkpoints retention deleted;
 6. every file a committed checkpoint refers to exists, after every trial;
-7. a retired directory (:data:`~dcp_ext.root.RETIRED_FILE`, no metadata)
+7. a retired directory (:data:`~dcp_ext.layout.RETIRED_FILE`, no metadata)
    counts as tidy after a completed save only while it holds nothing but
    files a committed checkpoint refers to.
 
@@ -60,7 +60,7 @@ from dcp_ext._failpoints import POINTS
 from dcp_ext import save_lock
 from dcp_ext.layout import DATA_SUFFIX
 from dcp_ext.metadata import METADATA_FILE
-from dcp_ext.root import RETIRED_FILE, strays_marker
+from dcp_ext.layout import RETIRED_FILE, strays_marker
 from dcp_ext.storage import TMP_MARK
 from tests.support import REPO
 from tests.support.compare import state_diff

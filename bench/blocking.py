@@ -56,7 +56,7 @@ Measured on each rank's training thread with ``time.perf_counter``, per save:
 
 Per world: wall time of the steps (barrier to the end of the last step, every
 wait included), the drain after the loop (last staging + upload), each rank's
-peak RSS (``bench.worker.RssSampler``, every 10 ms, over the loop and the
+peak RSS (``bench.harness.worker.RssSampler``, every 10 ms, over the loop and the
 drain) and its RSS before the model existed, state bytes per rank, and once,
 before the loop, a plain ``clone()`` of every local tensor of the state (fresh
 allocations): the reference for "until mutable".
@@ -106,8 +106,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.cli import machine_info
-from bench.report import publish
+from bench.harness.machine import machine_info
+from bench.harness.report import publish
 from dcp_ext.config import parse_size
 from tests.support.dist import run_world
 
@@ -384,7 +384,7 @@ def train_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     import torch
     import torch.distributed as dist
 
-    from bench.worker import RssSampler
+    from bench.harness.worker import RssSampler
 
     process = psutil.Process()
     rss_start = int(process.memory_info().rss)

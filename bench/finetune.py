@@ -1,7 +1,7 @@
 """Fine-tuning load and full-checkpoint export: ``python -m bench.finetune``.
 
 1. **Fine-tuning load** of a full safetensors checkpoint (default 1 GiB bf16,
-   the transformer-like shapes of ``bench/state.py``) into a model built on the
+   the transformer-like shapes of ``bench/harness/state.py``) into a model built on the
    meta device and sharded with FSDP2 over 2 ranks, two ways, each in a fresh
    2-rank world, alternating:
 
@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import publish
-from bench.state import make_spec
+from bench.harness.report import publish
+from bench.harness.state import make_spec
 from dcp_ext.config import parse_size
 from tests.support.dist import run_world
 

@@ -1,6 +1,6 @@
 """Hugging Face export (issue 18): ``python -m bench.hf_export``.
 
-Exports the bench's 1 GiB model (``bench/state.py``: 355 bf16 tensors with the
+Exports the bench's 1 GiB model (``bench/harness/state.py``: 355 bf16 tensors with the
 names of a decoder-only transformer, largest 48 MiB) as a Hugging Face
 safetensors folder, on 2 gloo ranks on CPU, the model sharded with FSDP2
 (``fully_shard`` over ``init_device_mesh("cpu", (2,))``; each rank holds half
@@ -116,6 +116,8 @@ from typing import Any
 
 from dcp_ext.config import parse_size
 
+from .harness.machine import machine_info
+
 MiB = 1 << 20
 WORLD = 2
 TAG = "bench"
@@ -164,14 +166,14 @@ def build_model(spec: Any, rank: int, mesh: Any, fill: bool = True) -> Any:
     """The bench model (``spec``'s names and shapes) sharded with FSDP2 on ``mesh``.
 
     ``fill``: every parameter's local shard gets the seeded bits of
-    ``bench.state`` (seed ``index * 1009 + rank``), so the full tensors are
+    ``bench.harness.state`` (seed ``index * 1009 + rank``), so the full tensors are
     known to the parent; otherwise it stays uninitialised.
     """
     import torch
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    from .state import DTYPE, _fill
+    from .harness.state import DTYPE, _fill
 
     with torch.device("meta"):
         root = nn.Module()
@@ -197,7 +199,7 @@ def full_tensor(spec: Any, idx: int, world: int = WORLD) -> Any:
     """The full tensor ``idx`` of the filled model (its ``world`` row blocks, rebuilt from the seeds)."""
     import torch
 
-    from .state import DTYPE, _fill
+    from .harness.state import DTYPE, _fill
 
     shape = spec.shapes[idx][1]
     rows = shape[0] // world
@@ -206,7 +208,7 @@ def full_tensor(spec: Any, idx: int, world: int = WORLD) -> Any:
 
 def shard_mapping(spec: Any, max_shard_bytes: int) -> dict[str, int]:
     """``{fqn: file index from 1}``: tensors in order, a new file when the next would overflow (HF's rule)."""
-    from .state import ESIZE
+    from .harness.state import ESIZE
 
     mapping: dict[str, int] = {}
     index, used = 1, 0
@@ -358,8 +360,8 @@ def measure_world(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from .state import make_spec
-    from .worker import RssSampler, _maxrss
+    from .harness.state import make_spec
+    from .harness.worker import RssSampler, _maxrss
 
     warnings.filterwarnings("ignore")
     mode, system = cfg["mode"], cfg["system"]
@@ -561,7 +563,7 @@ def setup_world(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     import dcp_ext
 
-    from .state import make_spec
+    from .harness.state import make_spec
 
     warnings.filterwarnings("ignore")
     mesh = init_device_mesh("cpu", (world,))
@@ -650,8 +652,7 @@ def run(modes: tuple[str, ...], systems: dict[str, tuple[str, ...]], size: int, 
     """Set up, measure every (round, mode, system) in a fresh world, verify; the results record."""
     from tests.support.dist import run_world
 
-    from .cli import machine_info
-    from .state import ESIZE, make_spec
+    from .harness.state import ESIZE, make_spec
 
     owned = workdir is None
     work = Path(workdir or tempfile.mkdtemp(prefix="dcp_ext_hf_export_", dir=_default_parent())).resolve()
@@ -965,7 +966,7 @@ def main(argv: list[str] | None = None) -> int:
                         "hf-export-<date>-profile.json, README block hf-export-profile")
     args = parser.parse_args(argv)
     if args.render:
-        from .report import update_readme
+        from .harness.report import update_readme
 
         rendered = json.loads(Path(args.render).read_text())
         profiled = rendered["params"].get("profile", False)
@@ -987,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
     record = run(modes, systems, size, args.layers, rounds, args.max_shard_size, args.verify,
                  Path(args.workdir) if args.workdir else None, command.strip(),
                  log=lambda m: print(m, flush=True), profile=args.profile)
-    from .report import update_readme
+    from .harness.report import update_readme
 
     bench = Path(__file__).resolve().parent
     suffix = "-quick" if args.quick else "-profile" if args.profile else ""

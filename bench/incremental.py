@@ -75,6 +75,8 @@ from typing import Any
 
 from dcp_ext.config import parse_size
 
+from .harness.machine import machine_info
+
 MiB = 1 << 20
 GiB = 1 << 30
 BUCKET = "bench"
@@ -708,8 +710,7 @@ def run(
     """Run each workload in its own 2-rank world; the results record (not yet written)."""
     from tests.support.s3_servers import isolated_aws_env, start_seaweedfs
 
-    from .cli import machine_info
-    from .world import run_world
+    from .harness.world import run_world
 
     owned = workdir is None
     work = Path(workdir or tempfile.mkdtemp(prefix="dcp_ext_incremental_")).resolve()
@@ -791,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
                  Path(args.workdir) if args.workdir else None, command.strip())
     import json
 
-    from .report import update_readme
+    from .harness.report import update_readme
 
     bench = Path(__file__).resolve().parent
     out = Path(args.out) if args.out else bench / "results" / f"incremental-{record['date']}{'-quick' if quick else ''}.json"

@@ -4,7 +4,7 @@ Four gloo ranks on CPU load one checkpoint that several ranks need in full or
 in part, from local disk and from S3 (SeaweedFS ``weed mini`` on 127.0.0.1,
 started as ``python -m bench`` starts it):
 
-* **DDP**: every rank holds the whole state (``bench/state.py``, ``--size``,
+* **DDP**: every rank holds the whole state (``bench/harness/state.py``, ``--size``,
   default 1 GiB) as plain tensors and loads all of it: each stored byte is
   needed by 4 ranks.
 * **HSDP 2x2**: a ``(2, 2)`` device mesh named ``("replicate", "shard")``,
@@ -21,7 +21,7 @@ and storage kind by the same 4-rank world, untimed):
   it needs itself), same checkpoint;
 * **torch FileSystemReader** (local) on a ``FileSystemWriter`` checkpoint, and
   **s3torchconnector** ``S3StorageReader`` (S3) on an ``S3StorageWriter``
-  checkpoint, both with DCP's default planner, set up as in ``bench/systems.py``
+  checkpoint, both with DCP's default planner, set up as in ``bench/harness/systems.py``
   (the S3 client swapped for one with the SeaweedFS endpoint).
 
 Per load, every rank passes a barrier, then times ``dcp.load`` to its return;
@@ -87,8 +87,9 @@ import torch
 
 from dcp_ext.config import parse_size
 
-from .state import NON_TENSOR, Spec, build_state, local_nbytes, make_spec, reset_dest, verify
-from .systems import Ctx, DcpExt, S3TorchConnector, System, TorchFileSystem
+from .harness.machine import machine_info
+from .harness.state import NON_TENSOR, Spec, build_state, local_nbytes, make_spec, reset_dest, verify
+from .harness.systems import Ctx, DcpExt, S3TorchConnector, System, TorchFileSystem
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -135,7 +136,7 @@ def variants(kind: str) -> list[Variant]:
 
 
 def _format_system(kind: str, fmt: str) -> System:
-    """The bench.systems class that saves (and for the baselines loads) ``fmt``."""
+    """The bench.harness.systems class that saves (and for the baselines loads) ``fmt``."""
     if fmt == "dcp_ext":
         return DcpExt(kind)
     if fmt == "torch":
@@ -512,8 +513,7 @@ def run(
     machine facts and ``summary``), not yet written anywhere."""
     from tests.support.s3_servers import isolated_aws_env, start_seaweedfs
 
-    from .cli import machine_info
-    from .world import run_world
+    from .harness.world import run_world
 
     modes = load_modes or {"local": ["warm"], "s3": ["warm"]}
     if any("cold" in modes.get(k, []) for k in kinds) and not os.access(_DROP_CACHES, os.W_OK):
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         s3_concurrency=args.s3_concurrency, part_size=parse_size(args.part_size), verify_loads=not args.no_verify,
         warmup=not args.no_warmup, workdir=Path(args.workdir) if args.workdir else None, command=command.strip(),
     )
-    from .report import update_readme
+    from .harness.report import update_readme
 
     bench = Path(__file__).resolve().parent
     out = Path(args.out) if args.out else bench / "results" / f"replicated-{record['date']}.json"

@@ -1,7 +1,7 @@
 """Resharded loads and load planning: ``python -m bench.reshard``.
 
 1. **Resharded loads.** A 1 GiB bf16 model (the transformer-like shapes of
-   ``bench/state.py``, FSDP2 ``Shard(0)``) is saved by 4 ranks with
+   ``bench/harness/state.py``, FSDP2 ``Shard(0)``) is saved by 4 ranks with
    ``CheckpointManager``, then loaded at 4 ranks (the same partition), 2 and 1
    with dcp_ext (``CheckpointReader`` + ``LayoutLoadPlanner`` given the
    checkpoint's ``partition.json``, under the GC pause that ``dcp_ext.load``
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import publish
-from bench.state import make_spec
+from bench.harness.report import publish
+from bench.harness.state import make_spec
 from dcp_ext.config import parse_size
 from tests.support.dist import run_world
 

@@ -58,8 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.blocking import MiB, build_training, forward_backward, layer_width, optimizer_step, storage
-from bench.cli import machine_info
-from bench.report import publish
+from bench.harness.machine import machine_info
+from bench.harness.report import publish
 from dcp_ext.config import parse_size
 from tests.support.dist import run_world
 

@@ -2,7 +2,7 @@
 
 A thin layer over the test suite's ``tests.support.dist.run_world`` (importable
 as such from the repository root, where ``python -m bench`` runs):
-``run_world(n, "bench.worker:throughput",
+``run_world(n, "bench.harness.worker:throughput",
 cfg)`` calls ``fn(rank, world_size, cfg)`` on each rank and returns rank 0's
 value. A failing rank's traceback is raised here and the other ranks are
 killed.

@@ -1,4 +1,4 @@
-"""What each rank runs: the interleaved throughput loop and the RSS probe."""
+"""What each rank of ``python -m bench`` runs: the interleaved throughput loop and the RSS probe."""
 
 from __future__ import annotations
 

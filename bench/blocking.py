@@ -92,7 +92,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import datetime
-import math
 import os
 import random
 import shlex
@@ -108,14 +107,13 @@ from typing import Any
 
 from bench.harness.machine import machine_info
 from bench.harness.report import publish
+from bench.harness.storage import storage
+from bench.harness.training import BATCH, build_training, forward_backward, layer_width, optimizer_step
 from dcp_ext.config import parse_size
 from tests.support.dist import run_world
 
 MiB = 1 << 20
 GiB = 1 << 30
-BUCKET = "bench"
-BATCH = 4
-FP32 = 4
 
 # The memory worlds (see the module docstring): these systems, with this allocator setting.
 MEMORY_SYSTEMS = ["none", "dcp_ext_background", "torch_default_stager"]
@@ -133,54 +131,7 @@ SYSTEMS: dict[str, str] = {
 CHECKPOINTING = [name for name in SYSTEMS if name != "none"]
 
 
-# -- the training job (runs on each rank) ------------------------------------------
-
-
-def layer_width(state_bytes: int, layers: int) -> int:
-    """Width of ``layers`` square Linear layers (with bias) whose fp32 parameters
-    plus two Adam moments come closest to ``state_bytes``; a multiple of 64."""
-    params_per_layer = state_bytes / (3 * FP32) / layers
-    width = math.sqrt(params_per_layer + 0.25) - 0.5  # width^2 + width = params_per_layer
-    return max(64, round(width / 64) * 64)
-
-
-def build_training(rank: int, world_size: int, width: int, layers: int) -> tuple[Any, Any, Any]:
-    """The FSDP2 model (every Linear a ``fully_shard`` unit, then the root), its
-    Adam optimizer and the fixed input batch."""
-    import torch
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    with torch.device("meta"):
-        model = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(1000 + rank)
-    with torch.no_grad():
-        for param in model.parameters():
-            local = param.to_local()
-            if local.dim() > 1:
-                local.normal_(0.0, width ** -0.5, generator=gen)
-            else:
-                local.zero_()
-    optim = torch.optim.Adam(model.parameters(), lr=1e-4)
-    return model, optim, torch.randn(BATCH, width, generator=gen)
-
-
-def forward_backward(model: Any, batch: Any) -> None:
-    """The part of a training step that leaves the checkpointed state alone."""
-    model(batch).square().mean().backward()
-
-
-def optimizer_step(optim: Any) -> None:
-    """The part of a training step that changes the state."""
-    optim.step()
-    optim.zero_grad()
+# -- the training job (runs on each rank; its model: bench.harness.training) --------
 
 
 def time_clone(model: Any, optim: Any) -> tuple[float, int]:
@@ -406,31 +357,6 @@ def train_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
 
 
 # -- driver --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def storage(kind: str, workdir: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    """Where one run saves, as (root, storage options), removed afterwards: a
-    directory under ``workdir``, or for S3 a bucket on a SeaweedFS server started
-    for this run alone (so deleted checkpoints never pile up in its volumes)."""
-    if kind != "s3":
-        root = workdir / "local" / name
-        try:
-            yield str(root), None
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        return
-    from tests.support.s3_servers import isolated_aws_env, start_seaweedfs
-
-    data = workdir / "seaweedfs" / name
-    server = start_seaweedfs(data)
-    try:
-        server.create_bucket(BUCKET)
-        with isolated_aws_env(server):  # the spawned ranks inherit it
-            yield f"s3://{BUCKET}/{name}", server.storage_options()
-    finally:
-        server.stop()
-        shutil.rmtree(data, ignore_errors=True)
 
 
 def schedule(kinds: list[str], repeats: int, seed: int, systems: list[str] | None = None,

@@ -57,13 +57,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.blocking import MiB, build_training, forward_backward, layer_width, optimizer_step, storage
 from bench.harness.machine import machine_info
 from bench.harness.report import publish
+from bench.harness.storage import storage
+from bench.harness.training import build_training, forward_backward, layer_width, optimizer_step
 from dcp_ext.config import parse_size
 from tests.support.dist import run_world
 
-
+MiB = 1 << 20
 _DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 

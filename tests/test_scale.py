@@ -23,12 +23,11 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from bench import scale
-from bench.scale_report import render_table
-from bench.model_shapes import MODELS, ModelShape, Param
-from bench.scale import finish_data_file, pack_rank_results
-from bench.scale_fast import packed_results, sent_plans
-from bench.scale_plans import (
+from bench.scale import adapter, simulator
+from bench.scale.adapter import finish_data_file, pack_rank_results
+from bench.scale.cases import Case
+from bench.scale.fast import packed_results, sent_plans
+from bench.scale.plans import (
     Layout,
     dcp_ext_write_results,
     finish_plans,
@@ -38,6 +37,8 @@ from bench.scale_plans import (
     rank_sent_plan,
     save_plans,
 )
+from bench.scale.report import render_table
+from bench.scale.shapes import MODELS, ModelShape, Param
 from dcp_ext.layout import MeshInfo
 from dcp_ext import CheckpointReader
 from dcp_ext.metadata import METADATA_FILE
@@ -46,7 +47,7 @@ from dcp_ext.planners import LayoutSavePlanner
 from tests.support.dist import run_world
 
 TINY = MODELS["tiny"]
-LR = 3e-4  # bench.scale_plans synthesizes Adam(lr=3e-4): equal param groups pickle to equal bytes
+LR = 3e-4  # bench.scale.plans synthesizes Adam(lr=3e-4): equal param groups pickle to equal bytes
 
 
 # -- the real worlds (rank code) ---------------------------------------------------------
@@ -225,10 +226,10 @@ def test_synthesized_write_results_equal_real_checkpoint(worlds: Any, world_size
     assert planner.partition is not None
     assert planner.partition.to_json() == (checkpoint / "partition.json").read_bytes()
     # Through the simulator's metadata adapter: the same data files, sizes and frame indexes.
-    written = dcp_ext_write_results(TINY, final, scale.finish_data_file)
+    written = dcp_ext_write_results(TINY, final, adapter.finish_data_file)
     reported = {r.index: r.storage_data for rank_results in written.results for r in rank_results}
-    mine = scale.decode_dcp_ext(scale.EncodedMetadata(scale.encode_dcp_ext(metadata, reported, world_size)))
-    theirs = scale.decode_dcp_ext(scale.EncodedMetadata((checkpoint / METADATA_FILE).read_bytes()))
+    mine = adapter.decode_dcp_ext(adapter.EncodedMetadata(adapter.encode_dcp_ext(metadata, reported, world_size)))
+    theirs = adapter.decode_dcp_ext(adapter.EncodedMetadata((checkpoint / METADATA_FILE).read_bytes()))
     assert mine.files == theirs.files
     refs = [{name: (ref.at, ref.length) for name, ref in getattr(d, "frame_indexes", {}).items()} for d in (mine, theirs)]
     assert refs[0] == refs[1]
@@ -266,8 +267,8 @@ def test_issue_chunk_count_of_the_8b_shape() -> None:
 
 
 def test_cli_runs_both_systems_in_process(capsys: pytest.CaptureFixture[str]) -> None:
-    args = scale.build_parser().parse_args(["--model", "tiny", "--ranks", "2,4", "--in-process", "--repeats", "1"])
-    report = scale.run(args)
+    args = simulator.build_parser().parse_args(["--model", "tiny", "--ranks", "2,4", "--in-process", "--repeats", "1"])
+    report = simulator.run(args)
     assert [(r["system"], r["ranks"], r["status"]) for r in report["rows"]] == [
         ("dcp_ext", 2, "ok"), ("torch", 2, "ok"), ("dcp_ext", 4, "ok"), ("torch", 4, "ok")]
     table = capsys.readouterr().out
@@ -278,19 +279,19 @@ def test_cli_runs_both_systems_in_process(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_forked_cases_report_time_and_memory_limits() -> None:
-    case = scale.Case("torch", "tiny", 4, reshard_to=2, repeats=1)
-    row = scale.run_case(case, scale.Limits(timeout=600, memory_bytes=16 * scale.GiB))
+    case = Case("torch", "tiny", 4, reshard_to=2, repeats=1)
+    row = simulator.run_case(case, simulator.Limits(timeout=600, memory_bytes=16 * simulator.GiB))
     assert row["status"] == "ok" and row["save"]["peak_rss_mib"] > 0 and row["load"]["read_items"] > 0
-    slow = scale.run_case(case, scale.Limits(timeout=0.0, memory_bytes=16 * scale.GiB))
+    slow = simulator.run_case(case, simulator.Limits(timeout=0.0, memory_bytes=16 * simulator.GiB))
     assert slow["status"].startswith("save: did not finish in 0 s"), slow["status"]
-    big = scale.run_case(case, scale.Limits(timeout=600, memory_bytes=1))
+    big = simulator.run_case(case, simulator.Limits(timeout=600, memory_bytes=1))
     assert big["status"].startswith("save: exceeded"), big["status"]
     assert "did not finish" in render_table([slow])
 
 
 @pytest.mark.parametrize("world_size,tp", [(3, 1), (4, 2), (12, 1)])
 def test_array_synthesis_equals_the_object_path(world_size: int, tp: int) -> None:
-    """bench.scale_fast builds, byte for byte, the compact plans, packed write
+    """bench.scale.fast builds, byte for byte, the compact plans, packed write
     results and frame indexes that the per-rank object path builds."""
     layout = Layout(world_size, tp)
     fast = sent_plans(TINY, layout)

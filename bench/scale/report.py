@@ -1,7 +1,7 @@
 """Markdown for ``python -m bench.scale``'s results: the tables and growth exponents.
 
-Rows and profiles are the plain dicts :func:`bench.scale.run_case` and
-:func:`bench.scale.run_profiles` return (and the results JSON holds), so a
+Rows and profiles are the plain dicts :func:`bench.scale.simulator.run_case` and
+:func:`bench.scale.simulator.run_profiles` return (and the results JSON holds), so a
 saved run can be rendered again.
 """
 

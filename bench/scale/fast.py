@@ -1,6 +1,6 @@
 """Array-speed synthesis of what a dcp_ext coordinator receives from N ranks.
 
-:mod:`bench.scale_plans` builds every rank's plan and write results as DCP
+:mod:`bench.scale.plans` builds every rank's plan and write results as DCP
 objects, as the ranks themselves do: exact, and checked against real gloo
 worlds, but at a 405B model on 8,192 ranks that is 37 million ``WriteItem``
 and ``StoredItem`` objects built and thrown away, most of an hour of untimed
@@ -32,8 +32,8 @@ from dcp_ext.metadata.document import FrameIndexRef
 from dcp_ext.metadata.frame_index import frame_index_of
 from dcp_ext.write_results import RESULTS_INDEX, RankWriteResults
 
-from .model_shapes import OPTIMIZER_STATES, ModelShape
-from .scale_plans import FRAME_SIZE, Layout, WrittenFiles, _bytes_lengths, local_chunk, rank_save_plan
+from .plans import FRAME_SIZE, Layout, WrittenFiles, _bytes_lengths, local_chunk, rank_save_plan
+from .shapes import OPTIMIZER_STATES, ModelShape
 
 __all__ = ["sent_plans", "packed_results"]
 
@@ -47,7 +47,7 @@ def _param_chunks(shape: ModelShape, layout: Layout) -> list[tuple[np.ndarray, n
     ranks = np.arange(layout.ranks)
     for param in shape.params():
         if layout.tp == 1:
-            # FSDP2 alone: torch.chunk of dim 0 over the ranks (as bench.scale_plans._chunk).
+            # FSDP2 alone: torch.chunk of dim 0 over the ranks (as bench.scale.plans._chunk).
             n = param.shape[0]
             full = n // layout.ranks if n % layout.ranks == 0 else -(-n // layout.ranks)
             start = full * ranks
@@ -148,7 +148,7 @@ def _kind_table(entries: list[KeyEntry], replicated_apart: bool) -> tuple[list[s
 def packed_results(shape: ModelShape, layout: Layout, sent: list[SavePlan], answers: list[SavePlan]) -> WrittenFiles:
     """What every rank's ``CheckpointWriter`` reports (packed) for its final
     plan, and each data file's frame index, as the object path makes them
-    (uncompressed, 1 MiB frames, one file per kind, ``bench.scale_plans``'
+    (uncompressed, 1 MiB frames, one file per kind, ``bench.scale.plans``'
     fake checksums)."""
     first = sent[0].planner_data
     assert isinstance(first, CompactSavePlan)

@@ -1,67 +1,34 @@
-"""``python -m bench.scale``: the scale simulator of issue 16, in one process per case.
+"""Runs the scale simulator's cases, each step in a child process under time and memory limits, and its command line.
 
-For a Llama-style model (:mod:`bench.model_shapes`) saved by N ranks (FSDP2,
-optionally x TP) with Adam state, it synthesizes what the coordinator of a
-``dcp.save`` receives, every rank's local ``SavePlan``, without tensor data
-(:mod:`bench.scale_plans`), runs the real planners and metadata encoders and
-decoders on it and measures (:mod:`bench.scale_cases`):
-
-* the coordinator's global planning (``create_global_plan``) and metadata
-  encoding time, the metadata's bytes (the global document, and per-data-file
-  indexes separately), and the coordinator's peak RSS;
-* one rank of a resharded load (N -> M, default M = N / 2): metadata decode
-  time, its load planning time (``create_local_plan``) and its peak RSS;
-
-for dcp_ext (``LayoutSavePlanner``, its JSON metadata, ``LayoutLoadPlanner``)
-and for torch DCP (``DefaultSavePlanner``, pickled ``Metadata``,
-``DefaultLoadPlanner``) as the baseline. Every save and every load runs in a
-fresh child process (so its ``ru_maxrss`` is its own), on one thread, killed
-after ``--timeout`` seconds or above ``--memory-limit``. ``--profile`` runs
-the coordinator's planning under ``cProfile`` at the given N.
-
-Every call into dcp_ext's metadata format goes through the adapter below
-(:func:`finish_data_file`, :func:`encode_dcp_ext`, :func:`decode_dcp_ext`,
-:func:`attach_dcp_ext_indexes`),
-which follows the version dcp_ext's writer writes: change it, and nothing
-else, when the format changes.
+``python -m bench.scale`` (``bench/scale/__main__.py``) runs :func:`main`;
+the package docstring (:mod:`bench.scale`) says what is measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import logging
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
 
-from dcp_ext.metadata import StoredItem
+from bench.harness.machine import compact_machine_info, meminfo
 
-from .scale_report import render_markdown
+from .cases import SYNTHESIS, Case, load_case, profile_case, save_case
+from .report import render_markdown
 
 __all__ = [
-    "EncodedMetadata",
-    "finish_data_file",
-    "pack_rank_results",
-    "collect_dcp_ext",
-    "encode_dcp_ext",
-    "decode_dcp_ext",
-    "attach_dcp_ext_indexes",
-    "metadata_version",
-    "Case",
     "Limits",
     "SYSTEMS",
     "run_case",
@@ -72,160 +39,15 @@ __all__ = [
 
 log = logging.getLogger("bench.scale")
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
+BENCH = Path(__file__).resolve().parents[1]
 SYSTEMS = ("dcp_ext", "torch")
 DEFAULT_RANKS = (8, 64, 512, 1024, 8192)
 QUICK_RANKS = (8, 64)
-#: The step in which the simulator builds the ranks' plans (not timed against the limit).
-SYNTHESIS = "synthesize plans"
 GiB = 1 << 30
 MiB = 1 << 20
 
 
-# -- the adapter: the only calls into dcp_ext's metadata format ---------------------------
-#
-# Version 3 (dcp_ext's default since commit dfeb22b): each data file ends with a
-# binary frame index, and the JSON document holds a compact chunk table and
-# where each index lies. Version 2: one JSON document with every frame's
-# checksum. These functions write what dcp_ext's writer writes by default
-# (``IOConfig().metadata_version``), split as the save splits the work: each
-# rank finishes its data files (finish_data_file), the coordinator encodes the
-# document (encode_dcp_ext), every loading rank decodes it (decode_dcp_ext) and
-# reads the indexes of the files it reads (attach_dcp_ext_indexes). They also
-# run against a dcp_ext from before version 3 (its modules are imported only
-# when version 3 is written).
-
-
-@dataclass(frozen=True)
-class EncodedMetadata:
-    """A checkpoint's encoded dcp_ext metadata.
-
-    Attributes:
-        global_bytes: The document every loading rank reads (``dcp_ext.metadata.json``).
-        file_indexes: Per data file, the index only the ranks reading that
-            file need (none for metadata version 2).
-    """
-
-    global_bytes: bytes
-    file_indexes: dict[str, bytes] = field(default_factory=dict)
-
-
-def metadata_version() -> int:
-    """The metadata version dcp_ext's writer writes by default."""
-    from dcp_ext.config import IOConfig
-    from dcp_ext.metadata import document
-
-    return int(getattr(IOConfig(), "metadata_version", document.FORMAT_VERSION))
-
-
-def finish_data_file(name: str, items: list[StoredItem]) -> tuple[list[StoredItem], bytes]:
-    """(each rank, ``CheckpointWriter`` at the end of each data file) The items
-    as the writer reports them to the coordinator, and what it appends to the
-    file after them.
-
-    Args:
-        name: The data file.
-        items: Its items in file order, each with every frame's checksum (as
-            ``FrameEncoder`` makes them).
-
-    Returns:
-        Version 3: the items without frame tables, pointing at the file's
-        frame index, and that index (``writer._append_frame_index``).
-        Version 2: the items as given, and nothing.
-    """
-    if metadata_version() < 3:
-        return items, b""
-    import xxhash
-
-    from dcp_ext.metadata.document import FrameIndexRef
-    from dcp_ext.metadata.frame_index import encode_frame_index
-
-    index = encode_frame_index(items)
-    end = items[-1].offset + items[-1].length if items else 0
-    ref = FrameIndexRef(end, len(index), xxhash.xxh3_64_intdigest(index))
-    return [replace(item, frame_lengths=(), checksums=(), indexed=True, frame_index=ref) for item in items], index
-
-
-def pack_rank_results(positions: list[int], stored: list[StoredItem]) -> list[Any]:
-    """(each rank, ``CheckpointWriter.write_data``) The rank's write results
-    packed into one, as it reports them with metadata version 3."""
-    if metadata_version() < 3:
-        raise ValueError("packed write results need metadata version 3")
-    from dcp_ext.write_results import pack_results
-
-    return pack_results(positions, stored)
-
-
-def collect_dcp_ext(metadata: Metadata, results: list[list[Any]]) -> Any:
-    """(coordinator, ``CheckpointWriter.finish``) Where every chunk went."""
-    from dcp_ext.write_results import collect_stored
-
-    return collect_stored(metadata, results)
-
-
-def encode_dcp_ext(metadata: Metadata, items: Any, world_size: int) -> bytes:
-    """(coordinator, ``CheckpointWriter.finish``) The metadata document for the
-    writers' results (``items``, each as :func:`finish_data_file` returned it)."""
-    from dcp_ext.metadata import encode_metadata
-
-    if metadata_version() < 3:
-        return encode_metadata(metadata, items, world_size=world_size)
-    return encode_metadata(metadata, items, world_size=world_size, version=metadata_version())
-
-
-def decode_dcp_ext(encoded: EncodedMetadata) -> Any:
-    """(every loading rank, ``CheckpointReader.read_metadata``) The global
-    document decoded: a ``DecodedMetadata`` whose ``.metadata`` is DCP's."""
-    from dcp_ext.metadata import METADATA_FILE, decode_metadata
-
-    return decode_metadata(encoded.global_bytes, METADATA_FILE)
-
-
-def attach_dcp_ext_indexes(decoded: Any, encoded: EncodedMetadata, names: set[str]) -> int:
-    """(a loading rank, before reading) The frame indexes of the files ``names``
-    read and attached to their items; returns their bytes (``0`` for version 2)."""
-    refs = getattr(decoded, "frame_indexes", None)
-    if not refs:
-        return 0
-    from dcp_ext.metadata.frame_index import attach_frame_indexes
-
-    attach_frame_indexes(decoded.metadata.storage_data, names, refs, lambda name, ref: encoded.file_indexes[name],
-                         str, 1)
-    return sum(len(encoded.file_indexes[name]) for name in names)
-
-
-# -- cases -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    """One measured configuration.
-
-    Attributes:
-        system: ``dcp_ext`` or ``torch``.
-        model: A key of :data:`bench.model_shapes.MODELS`.
-        ranks: Ranks that save (N).
-        tp: Tensor-parallel degree of the save (``1``: FSDP2 alone).
-        reshard_to: Ranks of the load (M; FSDP2 alone).
-        load_rank: The loading rank whose planning is measured.
-        gc: ``system`` (each system's own choice), ``on`` or ``off``.
-        repeats: Runs of each step under 10 s; the fastest counts.
-    """
-
-    system: str
-    model: str
-    ranks: int
-    tp: int = 1
-    reshard_to: int = 1
-    load_rank: int = 0
-    gc: str = "system"
-    repeats: int = 3
-
-    @property
-    def label(self) -> str:
-        tp = f" x tp{self.tp}" if self.tp > 1 else ""
-        return f"{self.model} {self.system} N={self.ranks}{tp}"
+# -- running a case -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -287,19 +109,17 @@ class _Messages:
 
 def _child_entry(kind: str, case: Case, workdir: Path, options: dict[str, Any], conn: Any) -> None:
     """A forked child: run one step, send its progress and result, leave."""
-    from . import scale_cases
-
     def emit(**fields: Any) -> None:
         conn.send(fields)
 
     code = 0
     try:
         if kind == "save":
-            result = scale_cases.save_case(case, workdir, emit)
+            result = save_case(case, workdir, emit)
         elif kind == "load":
-            result = scale_cases.load_case(case, workdir, emit)
+            result = load_case(case, workdir, emit)
         else:
-            result = scale_cases.profile_case(case, options["seconds"], options["top"], emit)
+            result = profile_case(case, options["seconds"], options["top"], emit)
         conn.send({"result": result})
     except BaseException:
         conn.send({"error": traceback.format_exc()})
@@ -320,8 +140,6 @@ def _run_child(kind: str, case: Case, workdir: Path, limits: Limits, options: di
     those imports done (its peak RSS starts at its RSS when forked), without
     paying seconds of imports per step.
     """
-    from . import scale_cases  # noqa: F401  (imported once, before forking)
-
     ctx = mp.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child_entry, args=(kind, case, workdir, options or {}, send), daemon=True)
@@ -356,14 +174,12 @@ def _run_child(kind: str, case: Case, workdir: Path, limits: Limits, options: di
 
 def _run_in_process(kind: str, case: Case, workdir: Path) -> _Outcome:
     """The same step in this process (tests): no limits, no isolated peak RSS."""
-    from . import scale_cases
-
     def emit(**fields: Any) -> None:
         if "phase" in fields:
             log.info("%s: %s", case.label, fields["phase"])
 
     start = time.monotonic()
-    step = scale_cases.save_case if kind == "save" else scale_cases.load_case
+    step = save_case if kind == "save" else load_case
     try:
         result = step(case, workdir, emit)
     except Exception:
@@ -470,54 +286,11 @@ def _str_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _meminfo(field_name: str) -> int:
-    """A ``/proc/meminfo`` field in bytes (0 if unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def _default_memory_limit() -> float:
     """16 GiB, or 70 % of the memory available now if that is less (GiB): the
     machine may be shared, and the kernel's OOM killer picks its own victim."""
-    available = _meminfo("MemAvailable")
+    available = meminfo("MemAvailable")
     return min(16.0, 0.7 * available / GiB) if available else 16.0
-
-
-def _git(*cmd: str) -> str:
-    try:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def machine_info() -> dict[str, Any]:
-    """What the numbers depend on: CPU, memory, versions, and the code measured
-    (the commit, and a digest of uncommitted changes to dcp_ext/)."""
-    import hashlib
-    import platform
-
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "?")
-    import dcp_ext
-
-    diff = _git("diff", "HEAD", "--", "dcp_ext")
-    return {
-        "dcp_ext_path": str(Path(dcp_ext.__file__).parent),
-        "cpu_count": os.cpu_count(), "cpu_model": cpu, "ram_gib": round(_meminfo("MemTotal") / GiB, 1),
-        "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
-        "git_commit": _git("rev-parse", "HEAD"),
-        "dcp_ext_uncommitted_diff_sha1": hashlib.sha1(diff.encode()).hexdigest()[:12] if diff else None,
-        "dcp_ext_uncommitted_files": _git("diff", "HEAD", "--name-only", "--", "dcp_ext").split(),
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
-    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -576,7 +349,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"kind": "bench.scale", "note": args.note, "argv": sys.argv[1:],
                               "started": time.time(), "limits": asdict(limits), "rows": rows, "profiles": profiles}
     if path is not None:
-        report["machine"] = machine_info()
+        report["machine"] = compact_machine_info()
 
     def save(_: object = None) -> None:
         """Write what is done so far: a run stopped half-way keeps its rows."""
@@ -612,10 +385,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Cases that ran out of time or memory are results; a step that raised is not.
     return 1 if any("failed" in r["status"] for r in report["rows"]) else 0
 
-
-if __name__ == "__main__":
-    # Run as bench.scale, not __main__, so bench.scale_cases shares this module's classes
-    # (forked children unpickle nothing, but one copy of the module is simpler to reason about).
-    from bench.scale import main as _main
-
-    raise SystemExit(_main())

@@ -1,7 +1,7 @@
-"""The measured steps of one scale-simulator case (each run in a fresh process).
+"""The measured steps of one scale-simulator case (each run in a fresh process), and the case itself.
 
 :func:`save_case` is the coordinator of an N-rank save: it receives every
-rank's synthesized local plan (:mod:`bench.scale_plans`), runs the global
+rank's synthesized local plan (:mod:`bench.scale.plans`), runs the global
 planning, gets the ranks' write results and encodes the metadata.
 :func:`load_case` is one rank of an M-rank load of that checkpoint: it decodes
 the metadata and plans its reads. :func:`profile_case` runs the coordinator's
@@ -9,7 +9,7 @@ planning under ``cProfile``. Systems:
 
 * ``dcp_ext``: ``LayoutSavePlanner`` (as ``CheckpointManager`` sets it up),
   :class:`dcp_ext.CheckpointWriter`'s metadata (through the adapter in
-  :mod:`bench.scale`), also torch's interop pickle and ``partition.json``
+  :mod:`bench.scale.adapter`), also torch's interop pickle and ``partition.json``
   that a dcp_ext save writes, and ``LayoutLoadPlanner``; Python's cyclic
   GC paused in the steps dcp_ext pauses it in (``dcp_ext._gc.gc_paused``);
 * ``torch``: ``DefaultSavePlanner``, ``FileSystemWriter``'s pickled
@@ -33,32 +33,68 @@ import resource
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from .model_shapes import MODELS
-from .scale import (
-    SYNTHESIS,
-    Case,
+from .adapter import (
     EncodedMetadata,
     attach_dcp_ext_indexes,
     collect_dcp_ext,
     decode_dcp_ext,
     encode_dcp_ext,
 )
-from .scale_fast import packed_results, sent_plans
-from .scale_plans import (
+from .fast import packed_results, sent_plans
+from .plans import (
     Layout,
     finish_plans,
     load_state_dict,
     rank_save_plan,
     torch_write_results,
 )
+from .shapes import MODELS
 
-__all__ = ["Emit", "save_case", "load_case", "profile_case", "peak_rss_mib"]
+__all__ = ["SYNTHESIS", "Case", "Emit", "save_case", "load_case", "profile_case", "peak_rss_mib"]
+
+#: The step in which the simulator builds the ranks' plans (not timed against the limit).
+SYNTHESIS = "synthesize plans"
+
+
+# -- the case -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration.
+
+    Attributes:
+        system: ``dcp_ext`` or ``torch``.
+        model: A key of :data:`bench.scale.shapes.MODELS`.
+        ranks: Ranks that save (N).
+        tp: Tensor-parallel degree of the save (``1``: FSDP2 alone).
+        reshard_to: Ranks of the load (M; FSDP2 alone).
+        load_rank: The loading rank whose planning is measured.
+        gc: ``system`` (each system's own choice), ``on`` or ``off``.
+        repeats: Runs of each step under 10 s; the fastest counts.
+    """
+
+    system: str
+    model: str
+    ranks: int
+    tp: int = 1
+    reshard_to: int = 1
+    load_rank: int = 0
+    gc: str = "system"
+    repeats: int = 3
+
+    @property
+    def label(self) -> str:
+        tp = f" x tp{self.tp}" if self.tp > 1 else ""
+        return f"{self.model} {self.system} N={self.ranks}{tp}"
+
 
 #: Reports progress to the parent: ``emit(phase="global plan")`` when a step
 #: starts, ``emit(step="global plan", seconds=..., rss_mib=...)`` when it ended.
@@ -247,7 +283,7 @@ def _save_case(case: Case, workdir: Path, emit: Emit) -> dict[str, Any]:
         global_plans, metadata = clock.timed("global plan", lambda: planner.create_global_plan(plans))
         out["answer_bytes"] = sum(len(pickle.dumps(answer)) for answer in global_plans)
         # The ranks' side (not timed): finish their plans, write, report
-        # (bench.scale_fast: the bytes the ranks' writers would send, at array
+        # (bench.scale.fast: the bytes the ranks' writers would send, at array
         # speed, from what they sent: the same bytes as the gathered plans).
         clock.emit(phase="ranks write (untimed)")
         written = packed_results(shape, layout, plans, global_plans)
@@ -451,7 +487,7 @@ def _profile_case(case: Case, seconds: float, top: int, emit: Emit) -> dict[str,
 
 def _short(filename: str) -> str:
     """``torch/distributed/...`` or ``dcp_ext/...`` instead of an absolute path."""
-    for marker in ("site-packages" + os.sep, str(Path(__file__).resolve().parents[1]) + os.sep):
+    for marker in ("site-packages" + os.sep, str(Path(__file__).resolve().parents[2]) + os.sep):
         if marker in filename:
             return filename.split(marker, 1)[1]
     return filename

@@ -5,7 +5,7 @@ N-rank ``dcp.save`` receives: every rank's local ``SavePlan`` as
 ``LayoutSavePlanner.create_local_plan`` makes it for an FSDP2 (optionally
 x TP) model + Adam state dict, and, after the data is written, every rank's
 ``WriteResult`` list as :class:`dcp_ext.CheckpointWriter` reports it. This
-module builds both directly from a :class:`~bench.model_shapes.ModelShape`,
+module builds both directly from a :class:`~bench.scale.shapes.ModelShape`,
 without tensors or a process group, as fresh objects per rank (as the
 coordinator holds them after unpickling each rank's plan), so the real
 planners and metadata encoders can run on them and their memory is counted.
@@ -51,7 +51,7 @@ from dcp_ext._torch_format import torch_save_envelope
 from dcp_ext.layout import FileAssignment
 from dcp_ext.metadata import StoredItem
 
-from .model_shapes import OPTIMIZER_STATES, ModelShape, Param
+from .shapes import OPTIMIZER_STATES, ModelShape, Param
 
 __all__ = [
     "Layout",
@@ -292,10 +292,10 @@ def iter_final_plans(planner_type: Callable[[], DefaultSavePlanner], local_plans
 
 #: What a writer does when a data file's items are written: returns the items
 #: as the writer reports them and the bytes it appends to the file (metadata
-#: version 3: the file's frame index; see ``bench.scale.finish_data_file``).
+#: version 3: the file's frame index; see ``bench.scale.adapter.finish_data_file``).
 FinishFile = Callable[[str, list[StoredItem]], tuple[list[StoredItem], bytes]]
 #: What a writer reports for a rank's stored items (by position in its final
-#: plan) when it packs them into one result (``bench.scale.pack_rank_results``).
+#: plan) when it packs them into one result (``bench.scale.adapter.pack_rank_results``).
 PackResults = Callable[[list[int], list[StoredItem]], list[WriteResult]]
 
 

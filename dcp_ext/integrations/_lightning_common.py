@@ -1,0 +1,271 @@
+"""What dcp_ext's Lightning plug-ins do, for both namespaces.
+
+``lightning.pytorch`` and ``pytorch_lightning`` ship the same classes twice
+(``CheckpointIO``, ``ModelParallelStrategy``) and check plug-ins with
+``isinstance``, so each namespace needs its own subclasses:
+:mod:`dcp_ext.integrations.lightning` and
+:mod:`dcp_ext.integrations.pytorch_lightning` define them as these mixins
+plus that namespace's base class. Nothing here imports either namespace.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import dcp_ext
+from dcp_ext.errors import CheckpointNotFoundError, InvalidOptionError, InvalidPathError
+from dcp_ext.whole_state import load_whole
+
+from . import _checkpoint_dirs as dirs
+
+__all__ = ["CheckpointIOMixin", "ModelParallelMixin", "META_FILE"]
+
+#: Where Lightning's ``ModelParallelStrategy`` keeps everything of a
+#: distributed checkpoint that is not model or optimizer state (loops,
+#: callbacks, hyper-parameters): a ``torch.save`` file beside the shards
+#: (``lightning.fabric.utilities.load._METADATA_FILENAME``).
+META_FILE = "meta.pt"
+
+
+def _options(base: dict[str, Any], extra: Any) -> dict[str, Any]:
+    """``base`` with ``extra`` (Lightning's per-call ``storage_options``) on top."""
+    if extra is None:
+        return dict(base)
+    if not isinstance(extra, dict):
+        raise InvalidOptionError(f"storage_options must be a dict of fsspec/s3fs options, not {type(extra).__name__}")
+    return {**base, **extra}
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+class CheckpointIOMixin:
+    """A Lightning ``CheckpointIO`` that stores each checkpoint as a dcp_ext
+    checkpoint directory (local, ``s3://`` or any fsspec URL).
+
+    Lightning calls it on global rank 0 only to save and delete (its default
+    strategies: single device, DDP), and on every rank to load; no call is
+    collective: a save is a single-process ``dcp.save(no_dist=True)``, a load
+    is :func:`dcp_ext.whole_state.load_whole` on each rank.
+
+    The whole checkpoint dict is saved: tensors as DCP items (checksummed,
+    optionally compressed), everything else (loops, callbacks, hyper-
+    parameters) as DCP byte items. Loading needs no template and gives the
+    optimizer states their integer parameter keys back.
+
+    Args:
+        storage_options: fsspec/s3fs options for every call; a per-call
+            ``storage_options`` (``trainer.save_checkpoint(...,
+            storage_options=...)``) is merged on top.
+        compression: ``None`` or ``"zstd"`` (or a :class:`~dcp_ext.Codec`).
+        overwrite: Replace an existing checkpoint of the same name (on by
+            default: ``ModelCheckpoint(save_last=True)`` saves ``last.ckpt``
+            again and again, as ``TorchCheckpointIO`` allows).
+        **writer_options: More :class:`~dcp_ext.CheckpointWriter` arguments.
+    """
+
+    def __init__(self, storage_options: dict[str, Any] | None = None, compression: Any = None,
+                 overwrite: bool = True, **writer_options: Any) -> None:
+        super().__init__()
+        self.storage_options = dict(storage_options or {})
+        self.compression = compression
+        self.overwrite = overwrite
+        self.writer_options = writer_options
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                        storage_options: Any = None) -> None:
+        """(global rank 0) Save ``checkpoint`` as a dcp_ext checkpoint at ``path``."""
+        writer = dcp_ext.CheckpointWriter(path, storage_options=_options(self.storage_options, storage_options),
+                                          overwrite=self.overwrite, compression=self.compression,
+                                          **self.writer_options)
+        dirs.save_alone(checkpoint, writer)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """(each rank, independently) The whole checkpoint at ``path``.
+
+        Args:
+            path: A checkpoint this plug-in (or any DCP writer) saved, or
+                a file Lightning's ``TorchCheckpointIO`` saved (read with
+                ``torch.load``), so switching plug-ins keeps old checkpoints.
+            map_location: ``None`` (tensors on the CPU), a device or device
+                string to move every tensor to.
+            weights_only: Decode non-tensor values as plain data only
+                (``None``: torch's default, ``True``). Lightning registers
+                its own types as safe; ``False`` for trusted checkpoints
+                holding other objects.
+
+        Raises:
+            CheckpointNotFoundError: Nothing at ``path`` (Lightning expects
+                a ``FileNotFoundError``).
+            InvalidOptionError: A ``map_location`` other than ``None``, a
+                device or a string.
+        """
+        if map_location is not None and not isinstance(map_location, (str, torch.device)):
+            raise InvalidOptionError(
+                f"map_location for a dcp_ext checkpoint must be None, a device or a device string, "
+                f"not {type(map_location).__name__} ({os.fspath(path)})", os.fspath(path))
+        text = os.fspath(path)
+        weights_only = True if weights_only is None else weights_only
+        if not dirs.is_committed(text, self.storage_options):
+            plain = _read_plain_file(text, self.storage_options)
+            if plain is not None:  # a file TorchCheckpointIO wrote: switching plug-ins keeps it loadable
+                loaded: dict[str, Any] = torch.load(io.BytesIO(plain), map_location=map_location or "cpu",
+                                                    weights_only=weights_only)
+                return loaded
+        state = load_whole(text, storage_options=self.storage_options, weights_only=weights_only)
+        if map_location is not None:
+            device = torch.device(map_location)
+            state = _map_tensors(state, device)
+        return state
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """(global rank 0) Delete the checkpoint directory ``path`` (commit markers first)."""
+        dirs.remove_checkpoint(path, self.storage_options)
+
+
+def _read_plain_file(path: str, storage_options: dict[str, Any]) -> bytes | None:
+    """The bytes of ``path`` if it is a file (not a directory), else ``None``."""
+    if not _is_url(path):
+        path = path[len("file://"):] if path.startswith("file://") else path
+        if not os.path.isfile(path):
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+    parent, _, name = path.rstrip("/").rpartition("/")
+    store = dirs.open_dir(parent, storage_options)
+    return store.read_file(name) if name and store.exists(name) else None
+
+
+def _map_tensors(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_tensors(v, device) for v in value]
+    return value
+
+
+class ModelParallelMixin:
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel) saving
+    and loading its distributed checkpoints through dcp_ext.
+
+    The stock strategy ignores ``CheckpointIO`` for distributed checkpoints
+    and runs the path through ``pathlib.Path``, so ``s3://bucket/x`` becomes
+    the local directory ``./s3:/bucket/x``. This one keeps the path a string
+    and writes Lightning's layout with dcp_ext: the DCP shards of
+    ``state_dict`` and ``optimizer_{i}`` (every rank writes its own), and the
+    rest of the checkpoint in ``meta.pt`` beside them, written by the
+    coordinator before the commit, so a checkpoint is complete or absent.
+    Checkpoints are interchangeable with the stock strategy's (uncompressed
+    ones both ways; torch's reader cannot read compressed ones).
+
+    ``save_distributed_checkpoint=False`` (a single full file assembled on
+    rank 0) is the stock strategy's, on local paths only.
+
+    Args:
+        storage_options: fsspec/s3fs options; a per-call ``storage_options``
+            (``trainer.save_checkpoint(..., storage_options=...)``) is merged on top.
+        compression: ``None`` or ``"zstd"`` (or a :class:`~dcp_ext.Codec`).
+        overwrite: Replace an existing checkpoint of the same name (default).
+        *args, **kwargs: The stock strategy's (``data_parallel_size``,
+            ``tensor_parallel_size``, ``save_distributed_checkpoint``...).
+    """
+
+    def __init__(self, *args: Any, storage_options: dict[str, Any] | None = None, compression: Any = None,
+                 overwrite: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.storage_options = dict(storage_options or {})
+        self.compression = compression
+        self.overwrite = overwrite
+
+    # These come from the strategy class this is mixed into.
+    _save_distributed_checkpoint: bool
+    model: Any
+    optimizers: list[Any]
+    lightning_module: Any
+    is_global_zero: bool
+    broadcast: Callable[..., Any]
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str],
+                        storage_options: Any = None) -> None:
+        """(all ranks) Save a distributed checkpoint at ``filepath`` (every
+        rank writes its shards; the coordinator ``meta.pt`` and the commit)."""
+        path = str(self.broadcast(os.fspath(filepath)))
+        if not self._save_distributed_checkpoint:
+            if _is_url(path):
+                raise InvalidPathError(
+                    f"{path}: save_distributed_checkpoint=False writes one local file with torch.save; use "
+                    f"save_distributed_checkpoint=True (the default) to save to a URL through dcp_ext", path)
+            super().save_checkpoint(checkpoint, path)  # type: ignore[misc]
+            return
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        meta = buffer.getvalue()
+        dcp_ext.save(state, path, storage_options=_options(self.storage_options, storage_options),
+                     overwrite=self.overwrite, compression=self.compression,
+                     before_commit=_MetaWriter(meta))
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike[str],
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """(all ranks) Load a distributed checkpoint into the model and
+        optimizers in place (resharded to the current layout) and return the
+        rest of it (``meta.pt``), as the stock strategy does.
+
+        A path that is not a DCP checkpoint directory goes to the stock
+        strategy (a full checkpoint file, local only).
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = str(self.broadcast(os.fspath(checkpoint_path)))
+        if not dirs.is_committed(path, self.storage_options):
+            if _is_url(path) or not os.path.isfile(path):
+                raise CheckpointNotFoundError(
+                    f"no checkpoint at {path}: neither a committed distributed checkpoint (no "
+                    f"dcp_ext.metadata.json or .metadata) nor a checkpoint file", path)
+            return super().load_checkpoint(path, weights_only)  # type: ignore[misc, no-any-return]
+        strict = bool(getattr(self.lightning_module, "strict_loading", True))
+        optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, opt) for i, opt in enumerate(optimizers)})
+        keys = {k for key in state for k in (key, f"{key}.")}
+        dcp_ext.load(state, path, storage_options=self.storage_options,
+                     planner=dcp_ext.LayoutLoadPlanner(strict=strict, keys=keys))
+        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
+        for i, opt in enumerate(optimizers):
+            set_optimizer_state_dict(self.model, opt, optim_state_dict=state[f"optimizer_{i}"],
+                                     options=StateDictOptions(cpu_offload=True))
+        raw = dirs.open_dir(path, self.storage_options).read_file(META_FILE)
+        metadata: dict[str, Any] = torch.load(io.BytesIO(raw), weights_only=weights_only)
+        return metadata
+
+    def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
+        """(global rank 0) Delete the checkpoint at ``filepath`` through dcp_ext."""
+        if self.is_global_zero:
+            dirs.remove_checkpoint(os.fspath(filepath), self.storage_options)
+
+
+class _MetaWriter:
+    """``before_commit`` hook: ``meta.pt`` into the checkpoint, before its
+    commit marker (a class, not a closure, so the writer still pickles)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __call__(self, store: Any) -> None:
+        store.write_file(META_FILE, self.data)

@@ -349,9 +349,10 @@ def _recognise_torch() -> tuple[Callable[..., Any], list[ModuleType], list[tuple
         loader = importlib.import_module(_LOADER)
     except ImportError as err:
         raise _refuse(f"cannot import {err.name}") from err
-    original = getattr(utils, "_storage_setup", None)
-    if not callable(original) or getattr(original, "__dcp_ext_patch__", False):
+    original: Callable[..., Any] | None = getattr(utils, "_storage_setup", None)
+    if original is None or not callable(original) or getattr(original, "__dcp_ext_patch__", False):
         raise _refuse(f"{_UTILS}._storage_setup is missing or already patched")
+    setup: Callable[..., Any] = original
     try:
         params = list(inspect.signature(original).parameters)
     except (TypeError, ValueError) as err:
@@ -385,7 +386,7 @@ def _recognise_torch() -> tuple[Callable[..., Any], list[ModuleType], list[tuple
         if not {"checkpoint_id", "storage_writer"} <= set(accepted):
             raise _refuse(f"{class_name}.execute_save takes no checkpoint_id/storage_writer")
         executors.append((cls, execute_save))
-    return original, bound, executors
+    return setup, bound, executors
 
 
 _LOCK = threading.RLock()

@@ -237,7 +237,7 @@ def load_whole(
         CheckpointKeyError: ``keys`` selects nothing.
         DcpExtError: Any other failure, with DCP's error as the cause.
     """
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     # Through the package's public name, at call time: dcp_ext/__init__ may
     # import this module, and the reader's module is not a stable path.
@@ -250,7 +250,7 @@ def load_whole(
         with warnings.catch_warnings():
             # no_dist=True is the point here, not a fallback worth a warning.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+            dcp_load({}, storage_reader=reader, planner=planner, no_dist=True)
     except BaseException as exc:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise

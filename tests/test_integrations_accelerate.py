@@ -6,7 +6,9 @@ model and optimizer with dcp_ext's ``save_fsdp_model`` / ``save_fsdp_optimizer``
 (other initial weights) then load each copy: dcp_ext's from both of its own,
 dcp_ext's from accelerate's, accelerate's from dcp_ext's. Each load must be
 bit-exact (model and optimizer shards) and one more step equal to the
-original's.
+original's. Before anything imports accelerate, each rank checks that
+``import dcp_ext``, ``dcp_ext.integrations``, ``dcp_ext.whole_state`` and
+``dcp_ext.dcp_default`` imported no framework.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ def test_accelerate_fsdp2_sharded_checkpoints(make_backend, tmp_path) -> None:
     backend = make_backend("seaweedfs")
     results = run_world(2, accelerate_suite, str(tmp_path), backend.url("accelerate"), backend.storage_options)
     for rank, out in enumerate(results):
+        # import dcp_ext (and dcp_ext.integrations) imports no framework: each module imports its own.
+        assert out["frameworks_imported_by_dcp_ext"] == [], out["frameworks_imported_by_dcp_ext"]
         for case in ("ours_local", "ours_s3_zstd", "theirs_to_ours", "ours_to_theirs"):
             assert out[case] == [] and out[case + "_next"] == [], (rank, case, out[case], out[case + "_next"])
         local, local_optim, s3, s3_optim = out["paths"]

@@ -12,7 +12,9 @@ same result in both jobs.
 Cases: local synchronous zstd (the checkpoint stock torchtitan cannot find to
 resume), SeaweedFS asynchronous zstd (storage_options, keep_latest_k deleting
 through dcp_ext), stock-written read by ours, ours (asynchronous,
-uncompressed) read by stock.
+uncompressed) read by stock, and stock torchtitan (async) under
+``dcp_ext.use_for_dcp()``, whose checkpoint_id-only DCP calls then go
+through dcp_ext.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def test_torchtitan_checkpoint_manager(make_backend, tmp_path) -> None:
     s3_root = backend.url("titan")
     results = run_world(2, torchtitan_suite, str(tmp_path), s3_root, backend.storage_options)
     for rank, out in enumerate(results):
-        for case in ("local_sync_zstd", "s3_async_zstd", "stock_to_ours", "ours_to_stock"):
+        for case in ("local_sync_zstd", "s3_async_zstd", "stock_to_ours", "ours_to_stock", "stock_use_for_dcp"):
             got = out[case]
             assert got["loaded"] is True and got["step"] == 7, (rank, case, got)  # resumed at 6, one more step
             assert not got["resumed_diff"], (rank, case, got["resumed_diff"][:10])
@@ -35,4 +37,5 @@ def test_torchtitan_checkpoint_manager(make_backend, tmp_path) -> None:
     # keep_latest_k=2 deleted step-2 through dcp_ext (on S3 too).
     assert listings["zstd"] == ["step-4", "step-6"] and listings["s3"] == ["step-4", "step-6"], listings
     assert "dcp_ext.metadata.json" in listings["s3_markers"], listings
+    assert "dcp_ext.metadata.json" in listings["use_for_dcp_markers"], listings  # written by dcp_ext
 

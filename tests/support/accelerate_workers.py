@@ -62,8 +62,16 @@ def accelerate_suite(rank: int, world_size: int, local_root: str, s3_root: str,
     """Every Accelerate check in one world (see the test's docstring)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    import sys
     import warnings
 
+    import dcp_ext.dcp_default
+    import dcp_ext.integrations
+    import dcp_ext.whole_state
+
+    frameworks = ("accelerate", "lightning", "pytorch_lightning", "torchtitan")
+    out: dict[str, Any] = {"frameworks_imported_by_dcp_ext": sorted(
+        m for m in sys.modules if m.split(".")[0] in frameworks)}
     warnings.filterwarnings("ignore")
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -79,14 +87,14 @@ def accelerate_suite(rank: int, world_size: int, local_root: str, s3_root: str,
     trained.step()
     saved = trained.snapshot()
     local, s3, theirs = (os.path.join(local_root, "ours"), f"{s3_root}/zstd", os.path.join(local_root, "theirs"))
-    out: dict[str, Any] = {"paths": [
+    out["paths"] = [
         ours.save_fsdp_model(plugin, accelerator, trained.model, local),
         ours.save_fsdp_optimizer(plugin, accelerator, trained.optimizer, trained.model, local),
         ours.save_fsdp_model(plugin, accelerator, trained.model, s3, storage_options=storage_options,
                              compression="zstd"),
         ours.save_fsdp_optimizer(plugin, accelerator, trained.optimizer, trained.model, s3,
                                  storage_options=storage_options, compression="zstd"),
-    ]}
+    ]
     stock.save_fsdp_model(plugin, accelerator, trained.model, theirs)
     stock.save_fsdp_optimizer(plugin, accelerator, trained.optimizer, trained.model, theirs)
     trained.step()

@@ -151,10 +151,17 @@ def torchtitan_suite(rank: int, world_size: int, local_root: str, s3_root: str,
     # Cross-reading: stock torchtitan (FileSystemWriter/Reader) and ours (uncompressed), both ways.
     out["stock_to_ours"] = _case(CheckpointManager, ours, os.path.join(local_root, "stock"))
     out["ours_to_stock"] = _case(ours, CheckpointManager, os.path.join(local_root, "ours"), async_mode="async")
+    # Stock torchtitan under use_for_dcp: its dcp.save/async_save/load(checkpoint_id=...) calls use dcp_ext.
+    from dcp_ext.dcp_default import use_for_dcp
+
+    with use_for_dcp():
+        out["stock_use_for_dcp"] = _case(CheckpointManager, CheckpointManager, os.path.join(local_root, "use"),
+                                         async_mode="async")
     dist.barrier()
     if rank == 0:
         out["listings"] = {
             "zstd": dirs.child_dirs(os.path.join(local_root, "zstd")),
+            "use_for_dcp_markers": sorted(os.listdir(os.path.join(local_root, "use", "step-6"))),
             "s3": dirs.child_dirs(f"{s3_root}/async", storage_options),
             "s3_markers": sorted(n for n in dirs.open_dir(f"{s3_root}/async/step-6", storage_options).list_names()
                                  if not n.endswith(".distcp")),

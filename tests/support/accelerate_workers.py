@@ -95,6 +95,18 @@ def accelerate_suite(rank: int, world_size: int, local_root: str, s3_root: str,
         ours.save_fsdp_optimizer(plugin, accelerator, trained.optimizer, trained.model, s3,
                                  storage_options=storage_options, compression="zstd"),
     ]
+    # The template-free load of a checkpoint 2 FSDP2 ranks wrote, in one process
+    # (each rank on its own): the full model and optimizer, parameter-name keys.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from dcp_ext.whole_state import load_whole
+
+    full_model, full_optimizer = get_state_dict(trained.model, trained.optimizer,
+                                                options=StateDictOptions(full_state_dict=True))
+    out["load_whole"] = (
+        state_diff(_local(full_model), load_whole(out["paths"][0])["model"])[:10]
+        + state_diff(_local(full_optimizer), load_whole(out["paths"][3], storage_options=storage_options)
+                     ["optimizer"])[:10])
     stock.save_fsdp_model(plugin, accelerator, trained.model, theirs)
     stock.save_fsdp_optimizer(plugin, accelerator, trained.optimizer, trained.model, theirs)
     trained.step()

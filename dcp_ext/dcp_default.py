@@ -170,6 +170,12 @@ def use_for_dcp(
         reader_options: More :class:`~dcp_ext.CheckpointReader` arguments
             (``config=``, ``verify_checksums=``, ``extension_registry=``...).
 
+    A load on a process group other than the default one
+    (``dcp.load(..., process_group=pg)``) should pass
+    ``reader_options={"process_group": pg}``, which read-once loads (S3,
+    fsspec, shared file systems) exchange over; the patch cannot see the
+    group ``dcp.load`` was given.
+
     Returns:
         The handle of this call.
 

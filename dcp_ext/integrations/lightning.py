@@ -13,6 +13,12 @@ For ``pytorch_lightning`` use :mod:`dcp_ext.integrations.pytorch_lightning`
 (the same classes on that namespace). Install: ``pip install
 'dcp-ext[lightning]'``.
 
+``ModelCheckpoint`` lists, checks and names its files itself with fsspec and
+no options, so with a ``dirpath`` on S3 it needs credentials and endpoint
+that fsspec finds on its own (the usual ``AWS_*`` environment, profiles,
+instance roles); ``trainer.save_checkpoint(url)`` and
+``fit(ckpt_path=url)`` use only the options given here.
+
 Smallest use::
 
     import lightning.pytorch as L

@@ -19,4 +19,4 @@ For code that calls ``dcp.save(checkpoint_id=...)`` itself, see
 :func:`dcp_ext.dcp_default.use_for_dcp`.
 """
 
-__all__: list[str] = []
+__all__ = ()  # each framework module is imported by its own name, never from here

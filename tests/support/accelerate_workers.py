@@ -62,13 +62,12 @@ def accelerate_suite(rank: int, world_size: int, local_root: str, s3_root: str,
     """Every Accelerate check in one world (see the test's docstring)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    import importlib
     import sys
     import warnings
 
-    import dcp_ext.dcp_default
-    import dcp_ext.integrations
-    import dcp_ext.whole_state
-
+    for module in ("dcp_ext", "dcp_ext.integrations", "dcp_ext.whole_state", "dcp_ext.dcp_default"):
+        importlib.import_module(module)
     frameworks = ("accelerate", "lightning", "pytorch_lightning", "torchtitan")
     out: dict[str, Any] = {"frameworks_imported_by_dcp_ext": sorted(
         m for m in sys.modules if m.split(".")[0] in frameworks)}

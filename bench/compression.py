@@ -46,7 +46,7 @@ import zstandard
 import dcp_ext
 from bench.harness.report import publish
 from bench.harness.state import build_state, make_spec
-from dcp_ext.codecs import ZstdCodec, decode_frame, encode_frame
+from dcp_ext.format._codecs import ZstdCodec, decode_frame, encode_frame
 from dcp_ext.config import parse_size, usable_cores
 
 FRAME = 1 << 20

@@ -91,7 +91,7 @@ def make_checkpoint(path: str, spec: Any) -> int:
     import torch
 
     from dcp_ext.config import IOConfig
-    from dcp_ext.full import FullTensorSpec, full_layout, stream_full_checkpoint
+    from dcp_ext.full._write import FullTensorSpec, full_layout, stream_full_checkpoint
     from dcp_ext.storage import open_store
 
     specs = [FullTensorSpec(f"p{i}", torch.bfloat16, shape) for i, (_, shape) in enumerate(spec.shapes)]

@@ -294,8 +294,8 @@ def _run_system(mode: str, system: str, rank: int, world: int, cfg: dict[str, An
         dcp_ext.export_hf(source, dest, max_shard_size=max_shard)
     elif mode == "live" and system == "today":
         from dcp_ext.config import IOConfig
-        from dcp_ext.full import save_full
-        from dcp_ext.process_group import GroupView
+        from dcp_ext.full._write import save_full
+        from dcp_ext._runtime import GroupView
         from dcp_ext.storage import open_store
 
         save_full(GroupView(None), open_store(dest, IOConfig()), "model.safetensors", state)
@@ -446,27 +446,27 @@ def measure_world(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 #: posted and column blocks copied. Absent names are skipped.
 PHASE_TARGETS = (
     # The modules as they are since aa793fd (the profiles of earlier commits are in results/).
-    ("dcp_ext._hf_sources", None, "_any_failed"),
-    ("dcp_ext._hf_sink", "FileSink", "open"),
-    ("dcp_ext._hf_sink", "FileSink", "put"),
-    ("dcp_ext._hf_sink", "FileSink", "close"),
-    ("dcp_ext._hf_sources", "LiveState", "__init__"),
-    ("dcp_ext._hf_sources", "LiveState", "plan"),
-    ("dcp_ext._hf_sources", "LiveState", "run"),
-    ("dcp_ext._hf_sources", "LiveState", "_reserve"),
-    ("dcp_ext._hf_sources", "LiveState", "_assemble"),
-    ("dcp_ext._hf_sources", "LiveState", "_send_buffer"),
-    ("dcp_ext._hf_sources", "StoredState", "__init__"),
-    ("dcp_ext._hf_sources", "StoredState", "read"),
-    ("dcp_ext._hf_sources", "StoredState", "run"),
-    ("dcp_ext.full_checksums", "ChecksumRecorder", "add"),
-    ("dcp_ext.hf_export", None, "_make_plan"),
-    ("dcp_ext.hf_export", None, "_prepare_folder"),
-    ("dcp_ext.hf_export", None, "_finish_folder"),
+    ("dcp_ext.hf._sources", None, "_any_failed"),
+    ("dcp_ext.hf._sink", "FileSink", "open"),
+    ("dcp_ext.hf._sink", "FileSink", "put"),
+    ("dcp_ext.hf._sink", "FileSink", "close"),
+    ("dcp_ext.hf._sources", "LiveState", "__init__"),
+    ("dcp_ext.hf._sources", "LiveState", "plan"),
+    ("dcp_ext.hf._sources", "LiveState", "run"),
+    ("dcp_ext.hf._sources", "LiveState", "_reserve"),
+    ("dcp_ext.hf._sources", "LiveState", "_assemble"),
+    ("dcp_ext.hf._sources", "LiveState", "_send_buffer"),
+    ("dcp_ext.hf._sources", "StoredState", "__init__"),
+    ("dcp_ext.hf._sources", "StoredState", "read"),
+    ("dcp_ext.hf._sources", "StoredState", "run"),
+    ("dcp_ext.full._checksums", "ChecksumRecorder", "add"),
+    ("dcp_ext.hf._export", None, "_make_plan"),
+    ("dcp_ext.hf._export", None, "_prepare_folder"),
+    ("dcp_ext.hf._export", None, "_finish_folder"),
     ("dcp_ext.storage.local", "_LocalWriter", "write"),
     ("dcp_ext.storage.local", "_LocalWriter", "commit"),
-    ("dcp_ext.full", None, "stream_full_checkpoint"),
-    ("dcp_ext.export", None, "export_partial"),
+    ("dcp_ext.full._write", None, "stream_full_checkpoint"),
+    ("dcp_ext.full._export", None, "export_partial"),
 )
 
 
@@ -522,7 +522,7 @@ class _Phases:
                 continue
             self._saved.append((owner, attr, original))
             setattr(owner, attr, self._wrap(f"{cls + '.' if cls else ''}{attr}", original))
-        for name in ("dcp_ext.hf_export", "dcp_ext._hf_sources"):
+        for name in ("dcp_ext.hf._export", "dcp_ext.hf._sources"):
             try:
                 module = importlib.import_module(name)
             except ImportError:

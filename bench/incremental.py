@@ -453,7 +453,7 @@ def incremental_world(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, A
             }
             managers = {
                 s: dcp_ext.CheckpointManager(roots[s], storage_options=options, incremental=(s == "incremental"),
-                                             max_chain=max_chain, retention=dcp_ext.retention.KeepLast(KEEP))
+                                             max_chain=max_chain, retention=dcp_ext.root.KeepLast(KEEP))
                 for s in SYSTEMS
             }
             samples: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
@@ -752,7 +752,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dcp_ext.incremental import DEFAULT_MAX_CHAIN
+    from dcp_ext.incremental._save import DEFAULT_MAX_CHAIN
 
     parser = argparse.ArgumentParser(prog="python -m bench.incremental", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -123,7 +123,7 @@ def load_world(rank: int, world_size: int, root: str, size: int, method: str) ->
     if method == "dcp_ext":
         # Exactly what dcp_ext.load / CheckpointManager.resume do around
         # dcp.load: pause the cyclic GC (see dcp_ext/_gc.py).
-        from dcp_ext._gc import gc_paused
+        from dcp_ext._runtime import gc_paused
 
         with gc_paused():
             dcp_load(state, storage_reader=reader, planner=planner)
@@ -149,7 +149,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
     TensorProperties, TensorStorageMetadata)
 from dcp_ext.metadata import StoredItem, encode_metadata, decode_metadata
 from dcp_ext.planners import LayoutLoadPlanner
-from dcp_ext.reader import CheckpointReader
+from dcp_ext.dcp_io._reader import CheckpointReader
 
 T, SAVERS, LOADERS, ROWS, COLS = {count}, 8, 3, 48, 16
 state_md, items = {{}}, {{}}

@@ -101,7 +101,7 @@ def tiers_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
 
     import dcp_ext
 
-    os.environ[dcp_ext.nodes.NODE_RANK_ENV] = str(rank)
+    os.environ[dcp_ext._runtime.nodes.NODE_RANK_ENV] = str(rank)
     model, optim, batch = build_training(rank, world_size, cfg["width"], cfg["layers"])
     forward_backward(model, batch)
     optimizer_step(optim)

@@ -8,57 +8,87 @@ bounded memory, ranged reads and an explicit commit protocol.
 
 from __future__ import annotations
 
-from ._dcp_calls import AsyncSaveHandle
 from .api import load, save
-from .codecs import Codec, ZstdCodec
-from .compact import CompactReport, compact
 from .config import IOConfig, RetryPolicy
+from .dcp_default import DcpDefault, active_dcp_default, stop_using_for_dcp, use_for_dcp
+from .dcp_io import (
+    AsyncSaveHandle,
+    CheckpointReader,
+    CheckpointWriter,
+    Stager,
+    StagingStats,
+)
 from .errors import (
     BucketNotFoundError,
     CheckpointCorruptError,
     CheckpointExistsError,
-    ChecksumMismatchError,
     CheckpointIncompleteError,
     CheckpointInProgressError,
     CheckpointInUseError,
-    ForeignCheckpointError,
-    CheckpointReplacedError,
-    UnsafeNameError,
-    InvalidPathError,
-    InvalidOptionError,
-    StorageTimeoutError,
     CheckpointKeyError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
+    ChecksumMismatchError,
     CredentialsError,
     DcpExtError,
+    ForeignCheckpointError,
+    InvalidOptionError,
+    InvalidPathError,
     NotACheckpointError,
     PostCommitError,
-    ReshardError,
     ReadOnceExchangeError,
+    ReshardError,
     StorageError,
     StorageFullError,
     StoragePermissionError,
+    StorageTimeoutError,
     TransientStorageError,
+    UnsafeNameError,
     UnsupportedCodecError,
+    UnsupportedTorchError,
     unwrap_checkpoint_exception,
 )
-from .hf_export import HFExportReport, export_hf, save_hf
-from .integrity import Problem, VerifyReport, verify, verify_full
+from .format import Codec, UnsafeUserContentError, ZstdCodec
+from .full import FullCheckpointReader, PretrainedLoadReport, load_pretrained
+from .hf import HFExportReport, export_hf, save_hf
 from .layout import InvalidTagError, MeshInfo, Partition, RankPartition, TagInfo
-from .model_registry import register_model, registered_model
-from .manager import CheckpointManager, ResumeResult, close_checkpoints, resume_from_checkpoint, save_checkpoint
+from .manager import (
+    CheckpointManager,
+    ResumeResult,
+    close_checkpoints,
+    register_model,
+    registered_model,
+    resume_from_checkpoint,
+    save_checkpoint,
+)
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
-from .pretrained import FullCheckpointReader, PretrainedLoadReport, load_pretrained
-from .reader import CheckpointReader
-from .retention import KeepAny, KeepEvery, KeepLast, KeepMatching, RetentionPolicy
-from .root import CheckpointRoot
-from .staging import Stager, StagingStats
-from .user_content import UnsafeUserContentError
-from .writer import CheckpointWriter
+from .root import (
+    CheckpointRoot,
+    CompactReport,
+    KeepAny,
+    KeepEvery,
+    KeepLast,
+    KeepMatching,
+    Problem,
+    RetentionPolicy,
+    VerifyReport,
+    compact,
+    verify,
+    verify_full,
+)
+from .whole_state import WholeStatePlanner, load_whole, restore_optimizer_keys
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "use_for_dcp",
+    "stop_using_for_dcp",
+    "active_dcp_default",
+    "DcpDefault",
+    "load_whole",
+    "restore_optimizer_keys",
+    "WholeStatePlanner",
+    "UnsupportedTorchError",
     "CheckpointWriter",
     "CheckpointReader",
     "save",

@@ -2,7 +2,7 @@
 
 These call ``torch.distributed.checkpoint.save``/``load`` with a
 :class:`CheckpointWriter`/:class:`CheckpointReader` through
-:mod:`dcp_ext._dcp_calls`, and differ in two ways:
+:mod:`dcp_ext.dcp_io._calls`, and differ in two ways:
 
 * a failure raises the underlying error (a :class:`~dcp_ext.errors.DcpExtError`
   where storage is at fault) instead of DCP's ``CheckpointException``, which
@@ -21,12 +21,10 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from ._dcp_calls import run_load, run_save
-from .codecs import Codec
 from .config import IOConfig
+from .dcp_io import CheckpointReader, CheckpointWriter, run_load, run_save
+from .format import Codec
 from .planners import LayoutLoadPlanner
-from .reader import CheckpointReader
-from .writer import CheckpointWriter
 
 __all__ = ["save", "load"]
 

@@ -22,11 +22,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import demo
-from .metadata import METADATA_FILE, TORCH_METADATA_FILE, DecodedMetadata, StoredItem
-from .metadata.decode import MAX_CREATED
-from .metadata.chunk_table import ChunkLocations, KeyTotals
-from ._safetensors import MAX_HEADER, parse_header
 from .config import IOConfig
+from .dcp_io import read_hf_index
 from .errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -34,14 +31,23 @@ from .errors import (
     InvalidOptionError,
     UnsupportedCodecError,
 )
-from .full import CREATED_KEY
-from .hf_folder import read_hf_index
-from .hf_layout import HF_INDEX_FILE
-from .integrity import read_own_metadata, verify, verify_full
+from .format import MAX_HEADER, parse_header
+from .full import CREATED_KEY, HF_MARKERS, FullCheckpointReader
+from .hf import HF_INDEX_FILE
 from .layout import PARTIAL_SUFFIX, RETIRED_FILE
-from .pretrained import HF_MARKERS
-from .retention import KeepEvery, KeepLast, RetentionPolicy
-from .root import CheckpointRoot
+from .manager import CheckpointManager
+from .metadata import METADATA_FILE, TORCH_METADATA_FILE, DecodedMetadata, StoredItem
+from .metadata.chunk_table import ChunkLocations, KeyTotals
+from .metadata.decode import MAX_CREATED
+from .root import (
+    CheckpointRoot,
+    KeepEvery,
+    KeepLast,
+    RetentionPolicy,
+    read_own_metadata,
+    verify,
+    verify_full,
+)
 from .storage import Store, join_path, normalize_path, open_store
 
 __all__ = ["main"]
@@ -336,7 +342,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     path, options = normalize_path(args.checkpoint), _options(args)
     if _full_checkpoint_file(path, options):
-        from .pretrained import FullCheckpointReader
 
         entries = _key_entries(FullCheckpointReader(path, storage_options=options).read_metadata())
         if args.json:
@@ -383,7 +388,6 @@ def _verify_full(path: str, options: dict[str, Any], quiet: bool) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .manager import CheckpointManager
 
     path = normalize_path(args.checkpoint).rstrip("/")
     root, _, name = path.rpartition("/")

@@ -58,7 +58,8 @@ from collections.abc import Callable, Mapping
 from types import ModuleType, TracebackType
 from typing import Any
 
-from .errors import DcpExtError
+from .dcp_io import CheckpointReader, CheckpointWriter
+from .errors import UnsupportedTorchError
 
 __all__ = ["use_for_dcp", "stop_using_for_dcp", "active_dcp_default", "DcpDefault", "UnsupportedTorchError"]
 
@@ -73,11 +74,6 @@ _EXECUTORS = (
 )
 
 
-class UnsupportedTorchError(DcpExtError, RuntimeError):
-    """The installed torch chooses DCP storage in a way :func:`use_for_dcp`
-    does not recognise (or another patch is in place); nothing was changed."""
-
-
 @dataclasses.dataclass(frozen=True)
 class _Settings:
     storage_options: Mapping[str, Any] | None
@@ -87,14 +83,10 @@ class _Settings:
     reader_options: Mapping[str, Any]
 
     def writer(self, checkpoint_id: str | os.PathLike[str]) -> Any:
-        from dcp_ext import CheckpointWriter
-
         return CheckpointWriter(checkpoint_id, storage_options=dict(self.storage_options or {}),
                                 overwrite=self.overwrite, compression=self.compression, **self.writer_options)
 
     def reader(self, checkpoint_id: str | os.PathLike[str]) -> Any:
-        from dcp_ext import CheckpointReader
-
         return CheckpointReader(checkpoint_id, storage_options=dict(self.storage_options or {}),
                                 **self.reader_options)
 
@@ -184,8 +176,6 @@ def use_for_dcp(
             the way this patch expects; nothing was changed.
         TypeError: An option name the writer or reader does not take.
     """
-    from dcp_ext import CheckpointReader, CheckpointWriter
-
     settings = _Settings(
         storage_options=dict(storage_options) if storage_options is not None else None,
         compression=compression,

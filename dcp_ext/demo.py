@@ -22,6 +22,8 @@ import time
 import warnings
 from typing import Any
 
+from .dcp_io import CheckpointReader, CheckpointWriter
+
 
 def _build(world_size: int, width: int, depth: int, seed: int) -> tuple[Any, Any]:
     import torch
@@ -51,11 +53,10 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, path: str, width: in
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from dcp_ext import CheckpointReader, CheckpointWriter
 
     dist.init_process_group(
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
@@ -121,10 +122,8 @@ def run(path: str | None, width: int, depth: int, world_size: int = 2) -> int:
     """Run the demo; returns a process exit code (0 when every check passed)."""
     warnings.filterwarnings("ignore")
     import torch
-
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from dcp_ext import CheckpointReader
 
     root = tempfile.mkdtemp(prefix="dcp_ext_demo_")
     path = path or os.path.join(root, "checkpoint")

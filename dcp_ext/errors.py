@@ -27,7 +27,10 @@ __all__ = [
     "CheckpointInUseError",
     "ForeignCheckpointError",
     "PostCommitError",
+    "UnsupportedTorchError",
     "CheckpointCorruptError",
+    "ChecksumMismatchError",
+    "UnsupportedCodecError",
     "UnsafeNameError",
     "StoragePermissionError",
     "CredentialsError",
@@ -108,6 +111,12 @@ class ForeignCheckpointError(DcpExtError, PermissionError):
     own writer, say): dcp_ext deletes only what it wrote."""
 
 
+class UnsupportedTorchError(DcpExtError, RuntimeError):
+    """The installed torch chooses DCP storage in a way
+    :func:`dcp_ext.use_for_dcp` does not recognise (or another patch is in
+    place); nothing was changed."""
+
+
 class PostCommitError(DcpExtError, RuntimeError):
     """The checkpoint committed (it is complete and loadable), but a step after
     the commit failed: moving ``newest`` or applying retention. Every rank of
@@ -122,7 +131,7 @@ class UnsafeNameError(CheckpointCorruptError):
     """A file name read from storage is not a plain relative name: it is
     absolute, contains ``..``, an empty or hidden part, a line break, a NUL
     or another odd character, and could name something outside its directory
-    (checked by :func:`dcp_ext._names.validate_relative_name`)."""
+    (checked by :func:`dcp_ext._runtime.validate_relative_name`)."""
 
 
 class ChecksumMismatchError(CheckpointCorruptError):

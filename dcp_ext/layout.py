@@ -24,8 +24,8 @@ loads and the ``dcp-ext`` tools need no setting.
 
 Pure functions and values only: tag validation, file names (data files
 included: which file each saved item goes to, :class:`FileAssignment`), the
-partition record. Retention rules are in :mod:`dcp_ext.retention`; I/O in
-:mod:`dcp_ext.root`.
+partition record. Retention rules are in :mod:`dcp_ext.root._retention`; I/O in
+:mod:`dcp_ext.root._root`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ._names import validate_relative_name
+from ._runtime import validate_relative_name
 from .errors import CheckpointCorruptError, DcpExtError
 
 __all__ = [
@@ -80,7 +80,7 @@ PARTITION_FILE = "partition.json"
 USER_CONTENT_FILE = "user_content.safetensors"
 PARTIAL_SUFFIX = "_partial"
 #: The checksum sidecar of a full checkpoint file: ``step100.checksums.json``
-#: (:mod:`dcp_ext.full_checksums`).
+#: (:mod:`dcp_ext.full._checksums`).
 CHECKSUMS_SUFFIX = ".checksums.json"
 DATA_SUFFIX = ".distcp"
 
@@ -597,7 +597,7 @@ class Partition:
 
         Every field is checked for its type and range (integers are integers,
         not floats, NaN or infinity, and within ``2**24``), and every data file
-        name is a plain relative name (:func:`dcp_ext._names.validate_relative_name`):
+        name is a plain relative name (:func:`dcp_ext._runtime.validate_relative_name`):
         tiered saves copy, send and delete the files a record names.
 
         Args:

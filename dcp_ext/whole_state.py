@@ -34,11 +34,20 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+)
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from .errors import CheckpointCorruptError, CheckpointKeyError, DcpExtError, unwrap_checkpoint_exception
+from .dcp_io import CheckpointReader
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointKeyError,
+    DcpExtError,
+    unwrap_checkpoint_exception,
+)
 
 __all__ = ["load_whole", "restore_optimizer_keys", "WholeStatePlanner"]
 
@@ -241,7 +250,6 @@ def load_whole(
 
     # Through the package's public name, at call time: dcp_ext/__init__ may
     # import this module, and the reader's module is not a stable path.
-    from dcp_ext import CheckpointReader
 
     io_options["read_once"] = False
     reader = CheckpointReader(path, storage_options=storage_options, **io_options)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dcp_ext import Stager
-from dcp_ext.staging import copy_state
+from dcp_ext.dcp_io._staging import copy_state
 from tests.support import async_workers
 from tests.support.dist import run_world
 from tests.support.fault_proxy import FaultPlan, FaultProxy

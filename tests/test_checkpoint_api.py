@@ -232,7 +232,7 @@ def test_manager_on_s3_and_async_save(moto_server) -> None:
         second = save_checkpoint(root, "f", model, optim, storage_options=options, async_save=True)
         assert first.done() and first.exception() is None
         second.staging_completion.result()
-        shared = dcp_ext.manager._SHARED_MANAGERS
+        shared = dcp_ext.manager._smp._SHARED_MANAGERS
         (stager,) = [m.stager for m in shared.values() if m.root == root]
         assert stager.last_stats.allocated_bytes == 0 and stager.buffer_bytes > 0
         dcp_ext.close_checkpoints()

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import dcp_ext
 from dcp_ext import ZstdCodec
-from dcp_ext.codecs import decode_frame, encode_frame
+from dcp_ext.format._codecs import decode_frame, encode_frame
 from tests.support.compare import assert_same_state
 from tests.support.damage_trials import flip_byte
 from tests.support.hostile import code_running_pickle

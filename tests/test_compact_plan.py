@@ -19,14 +19,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from dcp_ext.compact_plan import compact_plan
-from dcp_ext.global_plan import ChunkWriters, GlobalPlanError, create_global_save_plan
+from dcp_ext.planning._plan_columns import compact_plan
+from dcp_ext.planning._global_plan import ChunkWriters, GlobalPlanError, create_global_save_plan
 from dcp_ext.metadata import decode_metadata, encode_metadata
 from dcp_ext.metadata.chunk_columns import ChunkColumns
 from dcp_ext.metadata.document import FrameIndexRef, StoredItem
 from dcp_ext.metadata.torch_pickle import load_torch_metadata, to_torch_metadata
 from dcp_ext.metadata.stored_columns import StoredColumns
-from dcp_ext.write_results import RankWriteResults, collect_stored, pack_results
+from dcp_ext.planning._write_results import RankWriteResults, collect_stored, pack_results
 
 
 def _item(fqn: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dcp_ext import CheckpointReader, CheckpointWriter, IOConfig
-from dcp_ext._ranges import Piece, plan_requests
+from dcp_ext.storage import Piece, plan_requests
 from dcp_ext.config import parse_size
 
 MiB = 1024 * 1024
@@ -73,7 +73,7 @@ def test_box_runs_cover_exactly_the_box() -> None:
 
     import torch
 
-    from dcp_ext._ranges import box_runs, run_starts
+    from dcp_ext.storage import box_runs, run_starts
 
     rng = random.Random(0)
     for _ in range(400):

@@ -189,7 +189,7 @@ def test_failed_save_is_cleaned_up_by_the_next_one(tmp_path: Path) -> None:
     that died) leaves the lock there, released, as dcp_ext's mark, so the
     next save's cleanup removes the directory; a directory without the mark
     stays whatever it holds."""
-    from dcp_ext._dcp_calls import run_save
+    from dcp_ext.dcp_io import run_save
 
     root = tmp_path / "root"
     manager = dcp_ext.CheckpointManager(str(root))

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import dcp_ext
-import dcp_ext.frames as frames_module
-from dcp_ext._ranges import plan_requests
+import dcp_ext.frames._frames as frames_module
+from dcp_ext.storage import plan_requests
 from dcp_ext.config import IOConfig
-from dcp_ext.frames import FrameReader, FrameWork, frame_table
+from dcp_ext.frames._frames import FrameReader, FrameWork, frame_table
 from dcp_ext.metadata import METADATA_FILE, decode_metadata
 from dcp_ext.metadata.chunk_table import ChunkLocations
 from dcp_ext.metadata.frame_index import attach_frame_indexes

@@ -19,8 +19,8 @@ from torch import nn
 
 import dcp_ext
 from dcp_ext.cli import main as cli_main
-from dcp_ext.full_checksums import decode_sidecar, sidecar_name
-from dcp_ext.integrity import verify_full
+from dcp_ext.full._checksums import decode_sidecar, sidecar_name
+from dcp_ext.root import verify_full
 from tests.support.compare import assert_same_state
 from tests.support.damage_trials import flip_byte
 
@@ -122,7 +122,7 @@ def test_checksums_of_a_tensor_written_in_runs_equal_those_of_its_bytes_at_once(
     rest from the receive buffer): frames spanning runs hash as one."""
     import os
 
-    from dcp_ext.full_checksums import ChecksumRecorder
+    from dcp_ext.full._write import ChecksumRecorder
 
     data = memoryview(os.urandom(3 * FRAME + 123))
     whole, runs = ChecksumRecorder("f", FRAME), ChecksumRecorder("f", FRAME)

@@ -33,10 +33,10 @@ import zstandard
 from torch import nn
 
 import dcp_ext
-from dcp_ext._safetensors import parse_header
+from dcp_ext.format import parse_header
 from dcp_ext.config import IOConfig
 from dcp_ext.errors import DcpExtError
-from dcp_ext.hf_folder import read_hf_index
+from dcp_ext.dcp_io import read_hf_index
 from dcp_ext.layout import Partition
 from dcp_ext.metadata import METADATA_FILE, decode_metadata, seal
 from dcp_ext.storage import open_store

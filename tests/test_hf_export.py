@@ -19,10 +19,10 @@ import safetensors.torch
 import torch
 
 import dcp_ext
-from dcp_ext._hf_sources import _batches, _contiguous_in, step_bytes
+from dcp_ext.hf._sources import _batches, _contiguous_in, step_bytes
 from dcp_ext.cli import main as cli
-from dcp_ext.full_checksums import FOLDER_SIDECAR
-from dcp_ext.hf_layout import (
+from dcp_ext.full import FOLDER_SIDECAR
+from dcp_ext.hf._layout import (
     Box,
     HFFile,
     HFTensor,

@@ -1,4 +1,4 @@
-"""Incremental saves (dcp_ext.incremental): only changed frames are written,
+"""Incremental saves (dcp_ext.incremental._save): only changed frames are written,
 every tag loads bit-exact, retention and deletion keep what kept tags refer to,
 damage to a referenced file is found from the tag that needs it."""
 
@@ -121,7 +121,7 @@ def test_saves_write_only_changed_frames_and_every_tag_loads(
 
 def test_retention_keeps_only_what_kept_tags_refer_to(tmp_path: Path) -> None:
     manager = dcp_ext.CheckpointManager(tmp_path, config=dcp_ext.IOConfig(frame_size=FRAME), incremental=True,
-                                        max_chain=3, retention=dcp_ext.retention.KeepLast(2))
+                                        max_chain=3, retention=dcp_ext.root.KeepLast(2))
     model = _model()
     states = {}
     for step in range(8):

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from dcp_ext import CheckpointReader, CheckpointWriter, IOConfig, LayoutSavePlanner, Partition
 from dcp_ext.errors import CheckpointCorruptError
-from dcp_ext.global_plan import GlobalPlanError, create_global_save_plan
-from dcp_ext.integrity import verify
+from dcp_ext.planning._global_plan import GlobalPlanError, create_global_save_plan
+from dcp_ext.root import verify
 from dcp_ext.metadata import METADATA_FILE, StoredItem, decode_metadata, encode_metadata
 from dcp_ext.metadata.document import FrameIndexRef
 from dcp_ext.metadata.frame_index import encode_frame_index, frame_count

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from dcp_ext.read_once import MIN_PIECE, RankExchange, plan_read_once
+from dcp_ext.dcp_io._read_once import MIN_PIECE, RankExchange, plan_read_once
 from tests.support import dist, read_once_workers
 from tests.support.dist import run_world
 

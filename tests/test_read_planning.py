@@ -1,4 +1,4 @@
-"""Load planning on chunk columns (dcp_ext.read_planning) and version-3 decode into columns.
+"""Load planning on chunk columns (dcp_ext.planning._tensor_reads) and version-3 decode into columns.
 
 The vectorized planner must give exactly torch's ``ReadItem`` objects (fields,
 index hints and order) for any layout; decode must give each tensor's chunks
@@ -35,7 +35,7 @@ from dcp_ext.metadata import StoredItem, decode_metadata, encode_metadata
 from dcp_ext.metadata.chunk_columns import ChunkColumns
 from dcp_ext.metadata.chunk_table import ChunkLocations
 from dcp_ext.metadata.document import FrameIndexRef
-from dcp_ext.read_planning import ChunkShapes, match_chunk, read_items_for_columns
+from dcp_ext.planning._tensor_reads import ChunkShapes, match_chunk, read_items_for_columns
 
 from .support.metadata_edit import sign
 
@@ -321,7 +321,7 @@ def test_one_local_and_one_saved_chunk_equal_torchs() -> None:
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     from dcp_ext.metadata.chunk_columns import ChunkColumns
-    from dcp_ext.read_planning import read_items_for_columns
+    from dcp_ext.planning._tensor_reads import read_items_for_columns
 
     rng = random.Random(7)
     found = 0

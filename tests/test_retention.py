@@ -9,7 +9,7 @@ from torch import nn
 
 import dcp_ext
 from dcp_ext.layout import TagInfo
-from dcp_ext.retention import KeepAny, KeepEvery, KeepLast, KeepMatching, select_for_deletion
+from dcp_ext.root._retention import KeepAny, KeepEvery, KeepLast, KeepMatching, select_for_deletion
 
 
 def _tags(*names: str) -> list[TagInfo]:
@@ -75,7 +75,7 @@ def test_steady_state_saves_on_s3_cost_a_bounded_number_of_requests(make_backend
     # The lock, newest, the head of each of the 3 committed tags retention
     # chooses from, and the same 3 heads again once it holds the lock of the
     # tag it deletes (what another job may have committed meanwhile, and
-    # whether the doomed tag was saved again: dcp_ext.root's one rule).
+    # whether the doomed tag was saved again: dcp_ext.root._root's one rule).
     assert calls["GetObject"] <= 8, calls
     assert sum(calls.values()) <= 40, calls
     assert manager.checkpoints.store.list_dirs() == ["s3_partial", "s4_partial"]

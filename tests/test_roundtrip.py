@@ -217,7 +217,7 @@ def test_stock_load_pauses_the_collector_from_plan_exchange_to_the_last_read(tmp
 
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    from dcp_ext._gc import GcLease
+    from dcp_ext._runtime import GcLease
 
     seen: list[bool] = []
 

@@ -260,7 +260,7 @@ def test_a_prefix_that_refuses_everything_fails_after_the_paced_attempts(moto_se
     """Throttles are retried, paced, up to PACED_ATTEMPTS_FACTOR x max_attempts
     times (a shared prefix refuses a request several times in a row by bad
     luck), then the save fails with S3's error and aborts its upload."""
-    from dcp_ext._retry import PACED_ATTEMPTS_FACTOR
+    from dcp_ext.storage._retry import PACED_ATTEMPTS_FACTOR
 
     def is_put(method: str, path: str) -> bool:
         return method == "PUT"

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from dcp_ext import save_lock
+from dcp_ext.guard import _save_lock as save_lock
 from dcp_ext.config import IOConfig
-from dcp_ext.root import CheckpointRoot
-from dcp_ext.save_lock import LOCK_FILE, LockRecord, SaveLock, lock_state
+from dcp_ext.root._root import CheckpointRoot
+from dcp_ext.guard._save_lock import LOCK_FILE, LockRecord, SaveLock, lock_state
 from dcp_ext.storage import open_store
 from tests.support import dist
 

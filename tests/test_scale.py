@@ -42,7 +42,7 @@ from bench.scale.shapes import MODELS, ModelShape, Param
 from dcp_ext.layout import MeshInfo
 from dcp_ext import CheckpointReader
 from dcp_ext.metadata import METADATA_FILE
-from dcp_ext.compact_plan import compact_plan
+from dcp_ext.planning._plan_columns import compact_plan
 from dcp_ext.planners import LayoutSavePlanner
 from tests.support.dist import run_world
 

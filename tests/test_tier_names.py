@@ -5,7 +5,7 @@ A ``partition.json`` in a node's local tier names the data files that drains
 copy to the root and replication sends to the partner node; a name such as
 ``../../../secret.txt`` made a drain copy a file from outside the tier to
 outside the root. :meth:`dcp_ext.layout.Partition.from_json` now refuses it
-(with the one validator, :mod:`dcp_ext._names`), as does every transfer
+(with the one validator, :mod:`dcp_ext._runtime.names`), as does every transfer
 between nodes, and any malformed record is a typed error naming the file
 and the field.
 """
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import dcp_ext
-from dcp_ext._names import UnsafeNameError
+from dcp_ext._runtime.names import UnsafeNameError
 from dcp_ext.errors import CheckpointCorruptError, DcpExtError
 from dcp_ext.layout import PARTITION_FILE, MeshInfo, Partition, RankPartition, partial_dir
 from dcp_ext.tiers import drain

@@ -93,14 +93,14 @@ def pack_rank_results(positions: list[int], stored: list[StoredItem]) -> list[An
     packed into one, as it reports them with metadata version 3."""
     if metadata_version() < 3:
         raise ValueError("packed write results need metadata version 3")
-    from dcp_ext.write_results import pack_results
+    from dcp_ext.planning import pack_results
 
     return pack_results(positions, stored)
 
 
 def collect_dcp_ext(metadata: Metadata, results: list[list[Any]]) -> Any:
     """(coordinator, ``CheckpointWriter.finish``) Where every chunk went."""
-    from dcp_ext.write_results import collect_stored
+    from dcp_ext.planning import collect_stored
 
     return collect_stored(metadata, results)
 

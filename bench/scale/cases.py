@@ -11,7 +11,7 @@ planning under ``cProfile``. Systems:
   :class:`dcp_ext.CheckpointWriter`'s metadata (through the adapter in
   :mod:`bench.scale.adapter`), also torch's interop pickle and ``partition.json``
   that a dcp_ext save writes, and ``LayoutLoadPlanner``; Python's cyclic
-  GC paused in the steps dcp_ext pauses it in (``dcp_ext._gc.gc_paused``);
+  GC paused in the steps dcp_ext pauses it in (``dcp_ext._runtime.gc_paused``);
 * ``torch``: ``DefaultSavePlanner``, ``FileSystemWriter``'s pickled
   ``Metadata`` and ``DefaultLoadPlanner``, with the GC running (stock DCP).
 

@@ -6,7 +6,7 @@ worlds, but at a 405B model on 8,192 ranks that is 37 million ``WriteItem``
 and ``StoredItem`` objects built and thrown away, most of an hour of untimed
 work. This module builds the same bytes directly with numpy:
 
-* :func:`sent_plans`: each rank's :class:`~dcp_ext.compact_plan.CompactSavePlan`
+* :func:`sent_plans`: each rank's :class:`~dcp_ext.planning._plan_columns.CompactSavePlan`
   (what ``rank_sent_plan`` returns);
 * :func:`packed_results`: each rank's packed write results and every data
   file's frame index (what ``dcp_ext_write_results(..., finish_data_file,
@@ -25,12 +25,12 @@ import xxhash
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_ext._torch_format import torch_save_envelope
-from dcp_ext.compact_plan import CompactSavePlan, KeyEntry, compact_plan
+from dcp_ext.format import torch_save_envelope
+from dcp_ext.planning._plan_columns import CompactSavePlan, KeyEntry, compact_plan
 from dcp_ext.layout import FileAssignment, key_kind
 from dcp_ext.metadata.document import FrameIndexRef
 from dcp_ext.metadata.frame_index import frame_index_of
-from dcp_ext.write_results import RESULTS_INDEX, RankWriteResults
+from dcp_ext.planning._write_results import RESULTS_INDEX, RankWriteResults
 
 from .plans import FRAME_SIZE, Layout, WrittenFiles, _bytes_lengths, local_chunk, rank_save_plan
 from .shapes import OPTIMIZER_STATES, ModelShape

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_ext._torch_format import torch_save_envelope
+from dcp_ext.format import torch_save_envelope
 from dcp_ext.layout import FileAssignment
 from dcp_ext.metadata import StoredItem
 
@@ -223,9 +223,9 @@ def rank_save_plan(shape: ModelShape, layout: Layout, rank: int) -> SavePlan:
 
 def rank_sent_plan(shape: ModelShape, layout: Layout, rank: int) -> SavePlan:
     """What ``LayoutSavePlanner.create_local_plan`` sends the coordinator from
-    ``rank``: an item-less plan carrying the :class:`~dcp_ext.compact_plan.CompactSavePlan`
+    ``rank``: an item-less plan carrying the :class:`~dcp_ext.planning._plan_columns.CompactSavePlan`
     of :func:`rank_save_plan` (the rank keeps its items)."""
-    from dcp_ext.compact_plan import compact_plan
+    from dcp_ext.planning._plan_columns import compact_plan
 
     return SavePlan([], planner_data=compact_plan(rank_save_plan(shape, layout, rank)))
 

@@ -25,24 +25,29 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .._torch_format import dtype_from_name
 from ..errors import CheckpointCorruptError, UnsupportedCodecError
-from ..tagged_json import decode_tree
-from .chunk_table import ChunkLocations, columns_of, decode_table, key_width, read_key_rows, table_entry
-from .frame_index import MAX_INDEX_BYTES
-from .stored_json import parse_stored_json
+from ..format import decode_tree, dtype_from_name, parse_stored_json
+from .chunk_table import (
+    ChunkLocations,
+    columns_of,
+    decode_table,
+    key_width,
+    read_key_rows,
+    table_entry,
+)
 from .document import (
     DCP_VERSION,
     FORMAT,
-    MAX_FRAME_SIZE,
     INCREMENTAL_VERSION,
-    FrameIndexRef,
+    MAX_FRAME_SIZE,
     READABLE_VERSIONS,
+    FrameIndexRef,
     StoredItem,
     check_integrity,
     split_reference,
     validate_file_name,
 )
+from .frame_index import MAX_INDEX_BYTES
 
 __all__ = [
     "DecodedMetadata", "IncrementalSection", "decode_metadata", "read_created", "read_leading_field",
@@ -355,7 +360,7 @@ def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
         state_dict_metadata[fqn] = TensorStorageMetadata(
             properties=TensorProperties(dtype=dtype, requires_grad=bool(entry.get("requires_grad", False))),
             size=torch.Size(shape),
-            # Columns, not objects: a loading rank plans on the arrays (dcp_ext.read_planning).
+            # Columns, not objects: a loading rank plans on the arrays (dcp_ext.planning._tensor_reads).
             chunks=columns_of(offsets, chunk_sizes, shape, fqn, where),  # type: ignore[arg-type]
         )
         locations.add_key(fqn, True, offsets, columns)

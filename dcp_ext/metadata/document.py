@@ -8,7 +8,7 @@ commit marker of a checkpoint. Layout (version 2)::
       "format": "dcp_ext", "version": 2, "dcp_version": "1.0.0",
       "torch_version": "2.13.0", "byteorder": "little", "created": 1763766000.0,
       "storage_meta": {"checkpoint_id": "...", "save_id": "...", "modules": []},
-      "planner_data": <a dcp_ext.tagged_json tree>,
+      "planner_data": <a dcp_ext.format._tagged_json tree>,
       "state_dict": {
         "model.weight": {"kind": "tensor", "dtype": "bfloat16", "size": [4, 8],
                          "requires_grad": false,
@@ -35,7 +35,7 @@ commit marker of a checkpoint. Layout (version 2)::
 bytes into the item. Uncompressed tensors store their raw row-major
 little-endian bytes there, inside a ``torch.save`` envelope that keeps
 torch's readers working. Compressed items (``codec`` present: transforms
-applied left to right, see :mod:`dcp_ext.codecs`) store ``raw_length`` raw
+applied left to right, see :mod:`dcp_ext.format._codecs`) store ``raw_length`` raw
 bytes as independent frames of ``frame`` raw bytes each (the last shorter),
 ``frames`` giving each frame's stored length. Every frame's stored bytes have
 an xxh3-64 checksum in ``xxh3`` (16 hex digits, in frame order; an
@@ -66,8 +66,7 @@ import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .._compat import _StorageInfo
-from .._names import validate_name_part, validate_relative_name
+from .._runtime import _StorageInfo, validate_name_part, validate_relative_name
 from ..errors import CheckpointCorruptError
 
 __all__ = [
@@ -93,7 +92,7 @@ METADATA_FILE = "dcp_ext.metadata.json"
 TORCH_METADATA_FILE = ".metadata"
 FORMAT = "dcp_ext"
 FORMAT_VERSION = 3
-#: Version 3 plus an ``incremental`` section (:mod:`dcp_ext.incremental`):
+#: Version 3 plus an ``incremental`` section (:mod:`dcp_ext.incremental._save`):
 #: written by incremental saves only, so older readers refuse them clearly.
 INCREMENTAL_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)

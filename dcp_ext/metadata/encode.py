@@ -8,10 +8,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
-from .._torch_format import dtype_name
-from ..tagged_json import UnsupportedValueError, encode_tree
+from ..format import UnsupportedValueError, dtype_name, encode_tree
 from .chunk_columns import as_columns
 from .document import (
     DCP_VERSION,
@@ -65,7 +68,7 @@ def encode_metadata(
             a compact chunk table) or ``2`` (everything in the document;
             the items must carry their frame tables).
         incremental: An incremental save's section (``base``, ``chain``,
-            ``references``: see :mod:`dcp_ext.incremental`); the document is
+            ``references``: see :mod:`dcp_ext.incremental._save`); the document is
             then version 4 (version 3 with this section).
         created: The commit time to record (default: now). A copy of a
             checkpoint written elsewhere first (a tiered save's drain)

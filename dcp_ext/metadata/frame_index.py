@@ -13,7 +13,7 @@ Layout (little-endian)::
     items (u32), frames (u64), compressed frames (u64)
     checksums: frames x u64       (xxh3-64 of each frame's stored bytes)
     lengths:   compressed frames x u32  (stored bytes of each compressed frame)
-    version 2 only (incremental saves, :mod:`dcp_ext.incremental`):
+    version 2 only (incremental saves, :mod:`dcp_ext.incremental._save`):
       sources size (u32)
       hashes:  frames x 16 bytes  (xxh3-128 of each frame's raw bytes)
       source:  frames x u32       (0: this file; k: the k-th name in sources)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import zlib
-
 from typing import Any
 
 import numpy as np

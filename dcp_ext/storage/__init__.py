@@ -12,13 +12,26 @@ from typing import Any
 
 from ..config import IOConfig
 from ..errors import InvalidPathError
-from ._base import TMP_MARK, IncompleteUpload, IOStats, IOStatsSnapshot, ObjectWriter, Store
+from ._base import (
+    TMP_MARK,
+    IncompleteUpload,
+    IOStats,
+    IOStatsSnapshot,
+    ObjectWriter,
+    Store,
+)
+from ._ranges import Piece, ReadRequest, box_runs, plan_requests, run_starts
+from ._s3_client import clear_client_cache
 from .fsspec_store import FsspecStore
 from .local import LocalStore
-from ._s3_client import clear_client_cache
 from .s3 import S3Store
 
 __all__ = [
+    "Piece",
+    "ReadRequest",
+    "box_runs",
+    "plan_requests",
+    "run_starts",
     "Store",
     "ObjectWriter",
     "IOStats",

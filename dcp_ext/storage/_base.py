@@ -9,7 +9,7 @@ final name until :meth:`ObjectWriter.commit` returns, and by then the bytes
 are durable (fsync'ed file, completed multipart upload). :meth:`ObjectWriter.abort`
 leaves nothing behind that a reader could find.
 
-Reads are batches of :class:`~dcp_ext._ranges.ReadRequest` executed in
+Reads are batches of :class:`~dcp_ext.storage.ReadRequest` executed in
 parallel, each landing directly in caller-owned memory.
 """
 
@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-from .._ranges import ReadRequest
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError
+from ._ranges import ReadRequest
 
 __all__ = [
     "Store", "ObjectWriter", "IOStats", "IOStatsSnapshot", "IncompleteUpload", "TMP_MARK", "scatter",

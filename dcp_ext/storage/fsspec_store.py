@@ -14,8 +14,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .._ranges import ReadRequest
-from .._retry import retry_sync
 from ..config import IOConfig
 from ..errors import (
     CheckpointNotFoundError,
@@ -26,6 +24,8 @@ from ..errors import (
     TransientStorageError,
 )
 from ._base import TMP_MARK, ObjectWriter, Store, scatter
+from ._ranges import ReadRequest
+from ._retry import retry_sync
 
 __all__ = ["FsspecStore"]
 

@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .._ranges import ReadRequest
 from ..config import IOConfig
 from ..errors import (
     CheckpointNotFoundError,
@@ -43,6 +42,7 @@ from ..errors import (
     StoragePermissionError,
 )
 from ._base import TMP_MARK, ObjectWriter, Store, request_views, scatter
+from ._ranges import ReadRequest
 
 __all__ = ["LocalStore", "LocalFile"]
 

@@ -11,7 +11,7 @@
 * Reads are ranged GETs from up to ``max_concurrency`` threads, received
   straight into destination memory.
 * Transient failures (throttling, 5xx, resets, timeouts, short bodies) are
-  retried with bounded exponential backoff (:mod:`dcp_ext._retry`), within
+  retried with bounded exponential backoff (:mod:`dcp_ext.storage._retry`), within
   the request's deadline: every request (listing, HEAD, GET, PUT, each part
   of a multipart upload, completing or aborting it, DELETE) waits at most
   ``IOConfig.s3_connect_timeout`` plus ``s3_read_timeout`` per attempt and
@@ -37,8 +37,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .._ranges import ReadRequest
-from .._retry import retry_sync
 from ..config import IOConfig
 from ..errors import (
     BucketNotFoundError,
@@ -51,7 +49,9 @@ from ..errors import (
     TransientStorageError,
 )
 from ._base import IncompleteUpload, ObjectWriter, Store, request_views, scatter
+from ._ranges import ReadRequest
 from ._rate_limit import LimiterStats, PrefixRateLimiters
+from ._retry import retry_sync
 from ._s3_client import (
     S3Connection,
     _client_error_parts,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from .._ranges import ReadRequest
 from ..errors import CheckpointNotFoundError, DcpExtError
 from ._base import ObjectWriter, Store
+from ._ranges import ReadRequest
 
 __all__ = ["TieredStore"]
 

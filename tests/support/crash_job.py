@@ -107,7 +107,7 @@ def _arm(rank: int, crash: str) -> None:
         timer.start()
         return
     os.environ["DCP_EXT_CRASH_AT"] = what
-    from dcp_ext import _failpoints
+    from dcp_ext._runtime import failpoints as _failpoints
 
     _failpoints.reload()
 

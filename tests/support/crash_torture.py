@@ -56,8 +56,8 @@ from typing import Any
 import torch
 
 import dcp_ext
-from dcp_ext._failpoints import POINTS
-from dcp_ext import save_lock
+from dcp_ext._runtime.failpoints import POINTS
+from dcp_ext.guard import _save_lock as save_lock
 from dcp_ext.layout import DATA_SUFFIX
 from dcp_ext.metadata import METADATA_FILE
 from dcp_ext.layout import RETIRED_FILE, strays_marker

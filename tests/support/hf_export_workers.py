@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dcp_ext
-from dcp_ext import _failpoints
+from dcp_ext._runtime import failpoints as _failpoints
 
 # Small enough that MiniLM-L6 (90.9 MB) makes 3 files: the 46.9 MB word
 # embeddings alone, then about 30 MB each.

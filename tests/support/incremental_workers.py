@@ -78,7 +78,7 @@ def world(rank: int, world_size: int, roots: dict[str, str]) -> dict[str, Any]:
     config = dcp_ext.IOConfig(frame_size=FRAME)
     every = dcp_ext.CheckpointManager(roots["all"], config=config, incremental=True, max_chain=8)
     kept = dcp_ext.CheckpointManager(roots["keep2"], config=config, incremental=True, max_chain=8,
-                                     retention=dcp_ext.retention.KeepLast(2))
+                                     retention=dcp_ext.root.KeepLast(2))
     expected: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     full: dict[str, dict[str, torch.Tensor]] = {}
     torch.manual_seed(100 + rank)

@@ -17,8 +17,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dcp_ext
-from dcp_ext import CheckpointReader, CheckpointWriter, IOConfig, LayoutLoadPlanner, _failpoints
-from dcp_ext.nodes import NODE_RANK_ENV
+from dcp_ext import CheckpointReader, CheckpointWriter, IOConfig, LayoutLoadPlanner
+from dcp_ext._runtime import failpoints as _failpoints
+from dcp_ext._runtime.nodes import NODE_RANK_ENV
 from tests.support.compare import state_diff
 from tests.support.dist_workers import data_bytes
 
@@ -245,7 +246,7 @@ def killed_rank_job(rank: int, world_size: int, init_file: str, root: str, resul
     import signal
     import warnings
 
-    import dcp_ext._exchange as exchange_module
+    import dcp_ext.dcp_io._read_exchange as exchange_module
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,

@@ -31,7 +31,7 @@ def job(rank: int, world_size: int, root: str, local_base: str, step: int, crash
 
     import dcp_ext
 
-    os.environ[dcp_ext.nodes.NODE_RANK_ENV] = str(rank)
+    os.environ[dcp_ext._runtime.nodes.NODE_RANK_ENV] = str(rank)
     mesh = init_device_mesh("cpu", (world_size,))
     manager = dcp_ext.CheckpointManager(root, local_tier=os.path.join(local_base, f"node{rank}"),
                                         persist_every=1, keep_local=None if incremental else 2, replicas=1,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import dcp_ext
 from dcp_ext.layout import PARTITION_FILE, partial_dir
-from dcp_ext.replicas import Transfer, send_files
+from dcp_ext.tiers._replicas import Transfer, send_files
 from dcp_ext.tiers import drain
 from tests.support.async_workers import _snapshot, _train_on
 from tests.support.compare import assert_same_state
@@ -57,7 +57,7 @@ def hostile_names_world(rank: int, world_size: int, base: str) -> dict[str, Any]
     node = rank // RANKS_PER_NODE
     paths = layout(base)
     report: dict[str, Any] = {}
-    os.environ[dcp_ext.nodes.NODE_RANK_ENV] = str(node)
+    os.environ[dcp_ext._runtime.nodes.NODE_RANK_ENV] = str(node)
     model, optim = make_fsdp(world_size, seed=11)
     manager = dcp_ext.CheckpointManager(paths["root"], local_tier=node_dir(base, node), persist_every=0,
                                        keep_local=None, replicas=1)

@@ -40,7 +40,7 @@ def node_dir(base: str, node: int) -> str:
 
 
 def _manager(root: str, local_base: str, node: int, **kwargs: Any) -> dcp_ext.CheckpointManager:
-    os.environ[dcp_ext.nodes.NODE_RANK_ENV] = str(node)
+    os.environ[dcp_ext._runtime.nodes.NODE_RANK_ENV] = str(node)
     return dcp_ext.CheckpointManager(root, local_tier=node_dir(local_base, node), **kwargs)
 
 

@@ -1,0 +1,45 @@
+"""Process plumbing every layer may use: torch compatibility, the process-group view, node topology, GC pauses, memory release, torch's notices, crash points, the name validator."""
+
+from __future__ import annotations
+
+from .compat import (
+    FLATTEN_MAPPING,
+    ExtensionRegistry,
+    StreamTransformExtension,
+    _create_chunk_list,
+    _create_read_items,
+    _StorageInfo,
+    flatten_state_dict,
+    narrow_tensor_by_index,
+    set_element,
+)
+from .failpoints import crash_point, fail_point
+from .gc_pause import GcLease, gc_paused
+from .group import GroupView
+from .names import validate_name_part, validate_relative_name
+from .nodes import NodeMap, local_node_identity
+from .release_memory import release_free_memory
+from .torch_notices import torch_notices_quieted
+
+__all__ = [
+    "ExtensionRegistry",
+    "FLATTEN_MAPPING",
+    "GcLease",
+    "GroupView",
+    "NodeMap",
+    "StreamTransformExtension",
+    "_StorageInfo",
+    "_create_chunk_list",
+    "_create_read_items",
+    "crash_point",
+    "fail_point",
+    "flatten_state_dict",
+    "gc_paused",
+    "local_node_identity",
+    "narrow_tensor_by_index",
+    "release_free_memory",
+    "set_element",
+    "torch_notices_quieted",
+    "validate_name_part",
+    "validate_relative_name",
+]

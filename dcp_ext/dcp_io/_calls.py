@@ -1,0 +1,185 @@
+"""Every call dcp_ext makes into ``dcp.save`` / ``dcp.load`` / ``dcp.async_save``, in one place.
+
+Each entry point (``dcp_ext.save``/``load``, the manager's saves and resumes,
+``load_pretrained``) goes through these, which:
+
+* pause Python's cyclic GC for the blocking part (:mod:`dcp_ext._runtime.gc_pause`);
+* quiet torch's notices that say nothing to a dcp_ext user (:mod:`dcp_ext._runtime.torch_notices`);
+* raise dcp_ext's own error instead of DCP's ``CheckpointException``, which
+  derives from ``BaseException`` and so escapes ``except Exception``;
+* after a failed save, delete the data files each rank committed (nothing
+  orphaned stays behind; the metadata, the commit marker, was never written),
+  except when the failure came after the commit (:class:`PostCommitError`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+
+from .._runtime import gc_paused, torch_notices_quieted
+from ..errors import DcpExtError, PostCommitError, unwrap_checkpoint_exception
+from ._reader import CheckpointReader
+from ._staging import Stager
+from ._writer import CheckpointWriter
+
+__all__ = ["AsyncSaveHandle", "run_save", "run_load", "start_async_save", "dcp_failure"]
+
+
+def dcp_failure(exc: BaseException, preferred: BaseException | None = None) -> BaseException:
+    """The error to raise for a failed DCP call: ``preferred``, else the first
+    dcp_ext error among the ranks' failures, else the first failure. A DCP
+    wrapper holding no usable failure becomes a :class:`DcpExtError`;
+    ``KeyboardInterrupt`` and ``SystemExit`` pass through."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return exc
+    inner = preferred or unwrap_checkpoint_exception(exc)
+    if isinstance(inner, (Exception, KeyboardInterrupt, SystemExit)):
+        return inner
+    error = DcpExtError(f"distributed checkpoint failed: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _save_failure(writer: CheckpointWriter, exc: BaseException) -> BaseException:
+    """The error to raise for a failed save, after removing this rank's files
+    (kept when the failure came after the commit)."""
+    error = dcp_failure(exc)
+    if not isinstance(error, PostCommitError):
+        writer.remove_own_files()
+    return error
+
+
+def run_save(
+    state: dict[str, Any], writer: CheckpointWriter, planner: SavePlanner | None, process_group: Any
+) -> Metadata:
+    """(all ranks) ``dcp.save`` with dcp_ext's errors and cleanup."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    try:
+        with gc_paused(), torch_notices_quieted():
+            metadata: Metadata = dcp_save(state, storage_writer=writer, planner=planner, process_group=process_group)
+    except BaseException as exc:
+        error = _save_failure(writer, exc)
+        raise error from error.__cause__
+    return metadata
+
+
+def run_load(
+    state: dict[str, Any], reader: CheckpointReader, planner: LoadPlanner | None, process_group: Any
+) -> None:
+    """(all ranks) ``dcp.load`` into ``state`` in place, with dcp_ext's errors.
+
+    DCP re-raises a metadata failure as a bare ``AssertionError``; the
+    reader keeps the real one (``reader.last_error``), which is raised instead.
+    """
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    if reader.process_group is None:
+        reader.process_group = process_group  # read-once exchanges over the load's group
+    reader.metadata_group = (process_group,)  # every rank reads it here: the coordinator reads for all
+    try:
+        with gc_paused(), torch_notices_quieted():
+            dcp_load(state, storage_reader=reader, planner=planner, process_group=process_group)
+    except BaseException as exc:
+        error = dcp_failure(exc, reader.last_error)
+        raise error from error.__cause__
+    finally:
+        reader.metadata_group = None
+        # A load that failed between planning and read_data left the reader's
+        # GC lease up (stock dcp.load ends it at its time limit); end it now.
+        reader.end_gc_lease()
+
+
+class AsyncSaveHandle(concurrent.futures.Future):  # type: ignore[type-arg]
+    """An asynchronous save in flight, with DCP's two phases.
+
+    The handle itself is a future that completes when the save is done:
+    committed, ``newest`` moved and retention applied (for a manager's
+    save). Its outcome, errors included, is the same on every rank.
+
+    Attributes:
+        staging_completion: Done when the state has been copied; from then on
+            the caller may change it (``optimizer.step()``). Changing it
+            before is the caller's error: the checkpoint could hold a mix of
+            old and new values.
+        upload_completion: Done when the checkpoint has committed (the same
+            moment as the handle; DCP's name, for code written against
+            ``AsyncSaveResponse``). For a tiered save: committed in the
+            local tier of every node.
+        persist_completion: Tiered saves that are persisted: done when the
+            checkpoint has been drained to the persistent root (committed
+            there, its ``newest`` moved); ``None`` otherwise.
+    """
+
+    def __init__(self, staging_completion: concurrent.futures.Future[None]) -> None:
+        super().__init__()
+        self.staging_completion = staging_completion
+        self.upload_completion: concurrent.futures.Future[None] = self
+        self.persist_completion: concurrent.futures.Future[None] | None = None
+
+
+def _done_future() -> concurrent.futures.Future[None]:
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    done.set_result(None)
+    return done
+
+
+def start_async_save(
+    state: dict[str, Any],
+    writer: CheckpointWriter,
+    planner: SavePlanner | None,
+    process_group: Any,
+    *,
+    stager: Stager | None = None,
+    uploads: str = "thread",
+) -> AsyncSaveHandle:
+    """(all ranks) ``dcp.async_save``: returns once staging has started (with
+    a background ``stager``) or finished (without one: the writer's blocking copy).
+
+    Args:
+        stager: The :class:`~dcp_ext.dcp_io.Stager` to stage with; its
+            buffers are held until this save's upload is done.
+        uploads: ``"thread"`` or ``"process"`` (DCP's ``AsyncCheckpointerType``):
+            where the upload's Python work runs.
+
+    Returns:
+        The save's :class:`AsyncSaveHandle`; it fails with the same dcp_ext
+        error on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.checkpoint.state_dict_saver import (
+        async_save as dcp_async_save,
+    )
+
+    kinds = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+    if uploads not in kinds:
+        raise ValueError(f"uploads must be 'thread' or 'process', got {uploads!r}")
+    deferred = stager.deferred() if stager is not None else contextlib.nullcontext()
+    try:
+        with gc_paused(), torch_notices_quieted(), deferred:
+            response = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=process_group,
+                                      async_stager=stager, async_checkpointer_type=kinds[uploads])
+    except BaseException as exc:
+        error = _save_failure(writer, exc)
+        raise error from error.__cause__
+    # An AsyncSaveResponse with a stager, a bare future without one.
+    upload: concurrent.futures.Future[Any] = getattr(response, "upload_completion", response)  # type: ignore[arg-type]
+    if stager is not None:
+        stager.release_after(upload)
+    handle = AsyncSaveHandle(getattr(response, "staging_completion", None) or _done_future())
+
+    def settle(future: concurrent.futures.Future[Any]) -> None:
+        try:
+            future.result()
+        except BaseException as exc:
+            handle.set_exception(_save_failure(writer, exc))
+            return
+        handle.set_result(None)
+
+    upload.add_done_callback(settle)
+    return handle

@@ -1,0 +1,589 @@
+"""``CheckpointWriter``: DCP ``StorageWriter`` for local disk, shared POSIX and S3.
+
+Commit protocol (each step starts only after the previous one succeeded on
+every rank; DCP's collectives provide the ordering):
+
+1. (coordinator, ``prepare_global_plan``) take the path's save lock
+   (:mod:`dcp_ext.guard._save_lock`) before changing anything: a second job saving
+   the same path at the same time fails with ``CheckpointInProgressError``,
+   and a refused save leaves the old checkpoint as it was. Then refuse an
+   existing committed checkpoint unless ``overwrite=True``. For a
+   ``ROOT/{tag}_partial`` path that holds a checkpoint (or a retired one),
+   refuse with ``CheckpointInUseError`` if another checkpoint refers to its
+   files or a save in flight builds on it (the root's one rule,
+   :mod:`dcp_ext.root._root`). With ``overwrite``, delete the old metadata
+   (torch's, then dcp_ext's) so the old checkpoint stops being loadable
+   before any byte of it is replaced.
+2. (all ranks, ``write_data``) stream data files. Each file becomes visible
+   under its final name only when durable: fsync + rename on file systems, a
+   completed multipart upload on S3. A failing rank aborts its files.
+3. (coordinator, ``finish``) write ``dcp_ext.metadata.json``, the commit
+   marker, then torch's pickled ``.metadata`` (so torch's readers can load
+   the checkpoint; written last, a directory with it alone is never a
+   crashed dcp_ext save). Still holding the lock, delete data files of an
+   overwritten checkpoint that the new one does not use and temporary files
+   left by crashed saves; then release the lock and run ``after_commit``
+   (the manager moves ``newest`` there); its failure reaches every rank as
+   a ``PostCommitError``.
+
+A reader refuses a checkpoint without metadata, so a save that dies at any
+point leaves either the previous state or nothing loadable, never a mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .._runtime import crash_point, release_free_memory
+from ..config import IOConfig
+from ..errors import CheckpointExistsError, DcpExtError, PostCommitError
+from ..format import DTYPES, Codec, resolve_codec, tensor_bytes, torch_save_envelope
+from ..frames import FrameEncoder
+from ..guard import LOCK_FILE, SaveLock, check_reuse
+from ..incremental import BaseFrames, IncrementalSave, read_base
+from ..layout import (
+    DATA_SUFFIX,
+    RETIRED_FILE,
+    FileAssignment,
+    item_nbytes,
+    spread_name,
+)
+from ..metadata import (
+    METADATA_FILE,
+    TORCH_METADATA_FILE,
+    StoredItem,
+    encode_metadata,
+    to_torch_metadata,
+)
+from ..metadata.document import FrameIndexRef
+from ..metadata.frame_index import encode_frame_index
+from ..metadata.stored_columns import StoredColumns
+from ..planning import LayoutSavePlanner, collect_stored, pack_results
+from ..storage import TMP_MARK, Store, normalize_path, open_store
+from ._staging import copy_state
+
+__all__ = ["CheckpointWriter"]
+
+log = logging.getLogger("dcp_ext.writer")
+
+_REFERENCED_LOCK = threading.Lock()
+
+# Rough upper bound of a torch.save envelope, used only for S3 part sizing.
+_ENVELOPE_ESTIMATE = 2048
+
+
+class CheckpointWriter(StorageWriter, AsyncStager):
+    """Stream a DCP checkpoint to a local directory, shared POSIX or S3/fsspec.
+
+    Use with stock DCP::
+
+        dcp.save(state_dict, storage_writer=CheckpointWriter("s3://bucket/ckpt/step100",
+                 storage_options={"endpoint_url": ...}))
+
+    Lifecycle (DCP calls these; which ranks call each):
+
+    0. (all ranks) ``reset(checkpoint_id)`` when ``checkpoint_id=`` is passed.
+    1. (all ranks) ``set_up_storage_writer``.
+    2. (all ranks) ``prepare_local_plan``: create the directory / check the bucket.
+    3. (coordinator) ``prepare_global_plan``: refuse or invalidate an existing
+       checkpoint, assign each rank its data file names.
+    4. (all ranks) ``write_data``: stream the rank's items; commit its files.
+    5. (coordinator) ``finish``: write metadata (the commit marker), clean up.
+
+    Args:
+        path: Checkpoint directory: local path, ``file://``, ``s3://`` or any
+            fsspec URL. ``dcp.save(checkpoint_id=...)`` replaces it.
+        storage_options: fsspec/s3fs options (S3 ``endpoint_url``, ``key``,
+            ``secret``, ``client_kwargs={'region_name': ...}``...).
+        overwrite: Replace a committed checkpoint at ``path``. Off by default:
+            a good checkpoint is never replaced by accident.
+        config: I/O tunables; the keyword arguments below override its fields.
+        part_size: Bytes per S3 part (default 16 MiB).
+        max_concurrency: Requests in flight per rank (default 8).
+        files_per_rank: Data files per rank, written by parallel threads.
+        fsync: fsync files before commit (local/POSIX; default True).
+        before_commit: Called by the coordinator with the checkpoint's store
+            after all data is durable and before the metadata commits it;
+            extra files written there are part of the checkpoint.
+        after_commit: Called by the coordinator after the commit; an error
+            it raises reaches every rank as ``PostCommitError`` (the
+            checkpoint stays committed).
+        compression: ``None`` (default: raw bytes, readable by torch's own
+            readers too), ``"zstd"`` (zstd level 1 with byte grouping for
+            floating-point tensors), or a codec such as
+            ``dcp_ext.ZstdCodec(level=3)``. Recorded per item in the metadata;
+            readers need no setting.
+        frame_size: Raw bytes per compressed/checksummed frame (default 1 MiB).
+        incremental: Write only the frames that changed since a base
+            checkpoint (:mod:`dcp_ext.incremental._save`; the manager passes it
+            with ``CheckpointManager(incremental=True)``). Needs dcp_ext's
+            ``LayoutSavePlanner`` and metadata version 3. Such checkpoints
+            are read by dcp_ext only: no ``torch.save`` envelopes, no
+            torch ``.metadata``.
+
+    Every frame of stored data gets an xxh3-64 checksum, computed as it is
+    written and verified by :class:`CheckpointReader` on every read.
+
+    ``dcp.async_save(storage_writer=CheckpointWriter(...))`` without an
+    ``async_stager`` stages through :meth:`stage`: a blocking copy into fresh
+    buffers by parallel threads. Pass ``async_stager=dcp_ext.Stager()`` for
+    background staging into reused buffers. The writer pickles (without its
+    open store), so ``AsyncCheckpointerType.PROCESS`` uploads work, provided
+    ``before_commit`` and ``after_commit`` pickle too.
+    """
+
+    # AsyncStager: stage() blocks until the copy is made, so DCP need not call
+    # synchronize_staging() afterwards.
+    _synchronize_after_execute = False
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        config: IOConfig | None = None,
+        part_size: int | str | None = None,
+        max_concurrency: int | None = None,
+        files_per_rank: int | None = None,
+        fsync: bool | None = None,
+        before_commit: Callable[[Store], None] | None = None,
+        after_commit: Callable[[], None] | None = None,
+        compression: str | Codec | None = None,
+        frame_size: int | str | None = None,
+        incremental: IncrementalSave | None = None,
+    ) -> None:
+        super().__init__()
+        overrides = {
+            "frame_size": frame_size,
+            "part_size": part_size,
+            "max_concurrency": max_concurrency,
+            "files_per_rank": files_per_rank,
+            "fsync": fsync,
+        }
+        config = IOConfig.from_env(**overrides) if config is None else config.with_overrides(**overrides)
+        self.config = config
+        self.storage_options = dict(storage_options or {})
+        self.overwrite = overwrite
+        self.path = normalize_path(path)
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = True
+        self.rank = 0
+        self._store: Store | None = None
+        self._filesystem: Any = None
+        self._written: list[str] = []
+        self.before_commit = before_commit
+        self.after_commit = after_commit
+        self.codec = resolve_codec(compression)
+        self._lock: SaveLock | None = None
+        # (root store, marker name): strays marker of an overwrite, until its old files are gone.
+        self._strays: tuple[Store, str] | None = None
+        if incremental is not None and config.metadata_version < 3:
+            raise ValueError("incremental saves need metadata_version 3 (frame indexes with hashes)")
+        self.incremental = incremental
+        #: This save's view of its base (incremental saves; set by write_data).
+        self.base_frames: BaseFrames | None = None
+
+    # -- helpers ----------------------------------------------------------------
+    @property
+    def store(self) -> Store:
+        """The store of the current checkpoint path (created on first use)."""
+        if self._store is None:
+            self._store = open_store(self.path, self.config, self.storage_options, self._filesystem)
+            self._filesystem = getattr(self._store, "fs", None)
+        return self._store
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open stores hold clients, sockets and thread pools; a copy in another
+        # process (process-based uploads) opens its own.
+        state = dict(self.__dict__)
+        state.update(_store=None, _filesystem=None, _lock=None, _strays=None)
+        return state
+
+    # -- AsyncStager (dcp.async_save without async_stager) ------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """(all ranks) A private CPU copy of ``state_dict`` for the background upload."""
+        return copy_state(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns a finished copy."""
+
+    def close(self) -> None:
+        """Nothing to release: staged copies belong to the save that uses them."""
+
+    # -- StorageWriter --------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """(all ranks) Start a new save, optionally at a new path."""
+        # A lock left by a failed earlier save through this writer stays on
+        # storage, where it now counts as abandoned (its save is gone).
+        self._lock = None
+        self._strays = None
+        if checkpoint_id:
+            new_path = normalize_path(checkpoint_id)
+            if new_path != self.path:
+                self.path = new_path
+                self._store = None
+        self.save_id = uuid.uuid4().hex
+        self._written = []
+        self.base_frames = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """(all ranks) Record this rank's role."""
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+        if kwargs.get("use_collectives", True) is False:
+            raise ValueError(
+                "CheckpointWriter needs use_collectives=True: its metadata is the "
+                "single commit marker written by the coordinator after all ranks "
+                "finished"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """(all ranks) Make sure the checkpoint location can be written."""
+        self.store.ensure_root()
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """(coordinator) Take the save lock, protect existing checkpoints, name every rank's files."""
+        store = self.store
+        self._refuse_existing(store)  # the clearer error, before the lock's
+        self._lock = SaveLock(store, self.save_id)
+        self._lock.acquire()
+        try:
+            # Checked again under the lock: a save that held it may have committed.
+            existing = self._refuse_existing(store)
+            # The root's one rule (dcp_ext.root): files another tag refers to stay.
+            self._strays = check_reuse(self.path, store, bool(existing), self.config, self.storage_options)
+            for name in existing:
+                store.delete(name)  # un-commit the old checkpoint before touching its data
+        except BaseException:
+            self._release_lock()
+            raise
+        return [
+            plan
+            if isinstance(plan.storage_data, FileAssignment)
+            else dataclasses.replace(
+                plan, storage_data=FileAssignment(prefix=spread_name(f"__{rank}_", rank, self.config.key_prefixes))
+            )
+            for rank, plan in enumerate(plans)
+        ]
+
+    def _refuse_existing(self, store: Store) -> list[str]:
+        """The metadata files of a committed checkpoint at the path (torch's
+        first: un-committing removes dcp_ext's last); raises unless ``overwrite``."""
+        existing = [n for n in (TORCH_METADATA_FILE, METADATA_FILE) if store.exists(n)]
+        if existing and not self.overwrite:
+            raise CheckpointExistsError(
+                f"Checkpoint already exists at {store.url}; pass overwrite=True "
+                f"(to CheckpointWriter, dcp_ext.save or save_checkpoint) to replace it, or save to a new path",
+                store.url,
+            )
+        return existing
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """(all ranks) Stream this rank's items into its data files and commit them."""
+        assignment = plan.storage_data
+        if not isinstance(assignment, FileAssignment):
+            raise ValueError(
+                "SavePlan.storage_data must be a dcp_ext FileAssignment; was the "
+                "plan prepared by CheckpointWriter.prepare_global_plan?"
+            )
+        store = self.store
+        files = assignment.files_for(list(plan.items), self.config.files_per_rank)
+        if self.incremental is not None:
+            if not isinstance(planner, LayoutSavePlanner):
+                raise ValueError("incremental saves need dcp_ext's LayoutSavePlanner (CheckpointManager uses it)")
+            self.base_frames = read_base(self.incremental, plan.items, self.config, self.storage_options)
+        crash_point("before_data")
+
+        written: list[tuple[list[WriteItem], list[StoredItem]]] = []
+        referenced: dict[str, int] = {}
+        if len(files) == 1:
+            written = [self._write_file(store, files[0][0], files[0][1], planner, referenced)]
+        elif files:
+            with ThreadPoolExecutor(len(files), thread_name_prefix="dcp_ext-write") as pool:
+                pending = [
+                    pool.submit(self._write_file, store, name, bucket, planner, referenced)
+                    for name, bucket in files
+                ]
+                errors = []
+                for task in pending:
+                    try:
+                        written.append(task.result())
+                    except BaseException as err:  # collect, then raise the first
+                        errors.append(err)
+                if errors:
+                    raise errors[0]
+        if self.config.metadata_version >= 3 and isinstance(planner, LayoutSavePlanner):
+            # One table for the coordinator instead of a result per item (dcp_ext.planning._write_results).
+            position = {id(item): k for k, item in enumerate(plan.items)}
+            results = pack_results(
+                [position[id(item)] for items, _ in written for item in items],
+                [where for _, stored in written for where in stored],
+                referenced,
+            )
+        else:
+            results = [
+                WriteResult(index=item.index, size_in_bytes=where.length, storage_data=where)
+                for items, stored in written
+                for item, where in zip(items, stored, strict=True)
+            ]
+        crash_point("after_data")
+        release_free_memory()
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_file(
+        self, store: Store, name: str, items: list[WriteItem], planner: SavePlanner, referenced: dict[str, int]
+    ) -> tuple[list[WriteItem], list[StoredItem]]:
+        """Write one data file: each item's frames (:class:`~dcp_ext.frames.FrameEncoder`);
+        add the bytes its frames refer to in earlier checkpoints' files to ``referenced``."""
+        size_hint = sum(item_nbytes(i) + _ENVELOPE_ESTIMATE for i in items)
+        base = self.base_frames
+        hashing = self.incremental is not None
+        # Stored inside torch.save envelopes (for torch's readers), except in
+        # incremental saves, whose items may be partly in other files.
+        raw_tensors = self.codec is None and not hashing
+        with store.open_writer(name, size_hint=size_hint) as writer:
+            with FrameEncoder(writer, name, self.config.frame_size, self.codec, hashing=hashing) as frames:
+                for item in items:
+                    data = planner.resolve_data(item)
+                    keep, raw = _raw_view(data, item)
+                    known = base.get(item) if base is not None else None
+                    if keep is None:
+                        frames.add(raw, data, base=known)
+                    else:
+                        envelope = torch_save_envelope(keep.dtype, tuple(keep.shape)) if raw_tensors else None
+                        frames.add(raw, keep, dtype=keep.dtype, envelope=envelope, base=known)
+                    del data, keep, raw
+                stored = frames.finish()
+            with _REFERENCED_LOCK:  # files are written by parallel threads
+                for source, nbytes in frames.referenced.items():
+                    referenced[source] = referenced.get(source, 0) + nbytes
+            if self.config.metadata_version >= 3:
+                stored = _append_frame_index(writer, stored)
+            writer.commit()
+        self._written.append(name)
+        return items, stored
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """(coordinator) Write the metadata, which commits the checkpoint."""
+        crash_point("before_metadata")
+        store = self.store
+        items = collect_stored(metadata, results)
+        metadata.version = "1.0.0"
+        metadata.storage_data = items
+        if metadata.storage_meta is None:
+            metadata.storage_meta = self.storage_meta()
+        if self.before_commit is not None:
+            self.before_commit(store)
+        # Torch's pickle first, for torch's readers (they cannot decode our
+        # compressed frames, so compressed checkpoints get none, nor do large
+        # ones: see IOConfig.torch_metadata_chunks); our JSON last: the commit.
+        compressed = bool(items.codecs) if isinstance(items, StoredColumns) else any(
+            item.transforms for item in items.values()
+        )
+        incremental = self._incremental_section(items)
+        store.write_file(
+            METADATA_FILE,
+            encode_metadata(metadata, items, world_size=len(results), version=self.config.metadata_version,
+                            incremental=incremental),
+        )
+        if self.incremental is not None:
+            self.incremental.end_lease()  # committed: the base's files are now referred to by our metadata
+        if len(items) <= self.config.torch_metadata_chunks and not compressed and incremental is None:
+            # Written after ours, so that a directory with torch's .metadata alone
+            # is never a crashed dcp_ext save (the root's cleanup leaves it alone).
+            store.write_file(TORCH_METADATA_FILE, to_torch_metadata(metadata, items))
+        # Old files go while the lock is still held: a save that takes it next
+        # may write files this one does not name.
+        self._remove_leftovers(
+            {name for name, _, _ in items.files} if isinstance(items, StoredColumns)
+            else {item.relative_path for item in items.values()}
+        )
+        self._release_lock()
+        if self.after_commit is not None:
+            try:
+                self.after_commit()
+            except PostCommitError:
+                raise
+            except Exception as err:
+                raise PostCommitError(f"checkpoint {store.url} committed, but {err}", store.url) from err
+
+    def _incremental_section(self, items: Any) -> dict[str, Any] | None:
+        """(coordinator) The metadata's ``incremental`` section: the base, the
+        chain length, and every earlier checkpoint's file its frames refer to."""
+        if self.incremental is None:
+            return None
+        base = self.base_frames or BaseFrames()
+        references = items.references if isinstance(items, StoredColumns) else {}
+        chain = base.own_chain
+        if references and chain == 0:  # pragma: no cover - a rank referred although the coordinator's base was not referable
+            raise RuntimeError("a rank referred to its base's frames although this save starts a chain")
+        return {
+            "base": self.incremental.base_tag if base.referable else None,
+            "chain": chain,
+            "references": [[name, nbytes] for name, nbytes in sorted(references.items())],
+            "sizes": [[name, base.file_sizes[name]] for name in sorted(references) if name in base.file_sizes],
+        }
+
+    def _remove_leftovers(self, keep: set[str]) -> None:
+        """(coordinator, holding the lock, after the commit) Delete data files
+        of the checkpoint this one replaced that it does not use, temporary
+        files, a retired marker, then the root's strays marker."""
+        store = self.store
+        try:
+            for name in store.list_tree():  # data files under key prefixes too
+                stale_data = name.endswith(DATA_SUFFIX) and name not in keep
+                if stale_data or TMP_MARK in name or name == RETIRED_FILE:
+                    store.delete(name)
+            if self._strays is not None:
+                self._strays[0].delete(self._strays[1])
+                self._strays = None
+        except Exception as err:  # the checkpoint is committed; this is tidying
+            log.warning("could not remove leftover files in %s: %s", store.url, err)
+
+    def remove_own_files(self) -> None:
+        """(each rank) Delete the data files this rank committed in the current
+        save, and the checkpoint's directory if that left it empty. Used
+        after a failed save so that no orphaned data remains.
+
+        Nothing is deleted if the checkpoint committed after all: a rank
+        whose coordinator died after writing the metadata (or whose
+        ``after_commit`` failed) sees the save fail, yet the metadata, which
+        only this save can have written once it took the lock and removed
+        the old one, references these files. If that cannot be checked, the
+        files stay for the leftover cleanup of the next save.
+        """
+        if self._written:
+            try:
+                committed = self.store.exists(METADATA_FILE)
+            except DcpExtError as err:
+                log.warning("not removing this rank's files in %s: %s", self.store.url, err)
+                committed = True
+            if committed:
+                self._written = []
+        for name in self._written:
+            try:
+                self.store.delete(name)
+            except Exception as err:
+                log.warning("could not delete %s: %s", self.store.describe(name), err)
+        self._written = []
+        if self.is_coordinator and self.incremental is not None:
+            self.incremental.end_lease()
+        if self._lock is None:  # not the coordinator: the directory goes if it is empty
+            left: list[str] = []
+        else:
+            left = self._give_up_lock()
+        if left:
+            return
+        try:  # a directory the failed save created and left empty (local file systems)
+            self.store.remove_root_if_empty()
+        except Exception as err:  # noqa: BLE001 - only tidiness is lost
+            log.debug("could not remove the empty %s: %s", self.store.url, err)
+
+    def _give_up_lock(self) -> list[str]:
+        """(coordinator, after a failure) Release the lock; the files still
+        in the directory (then the lock stays, released, as dcp_ext's mark)."""
+        assert self._lock is not None
+        try:
+            # Other ranks' files (a rank that died, or is still deleting) keep
+            # the lock file, released, as the mark that the directory is
+            # dcp_ext's: the next save's leftover cleanup removes it.
+            left = [name for name in self.store.list_tree() if name != LOCK_FILE]
+        except Exception as err:  # noqa: BLE001 - then keep the mark
+            log.debug("could not list %s: %s", self.store.url, err)
+            left = [self.store.url]
+        self._lock.release(keep_mark=bool(left))
+        self._lock = None
+        return left
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+
+
+def _append_frame_index(writer: Any, stored: list[StoredItem]) -> list[StoredItem]:
+    """Write the file's frame index at its end; the items without their frame
+    tables (they travel to the coordinator, which needs only where items lie)."""
+    index = encode_frame_index(stored)
+    ref = FrameIndexRef(writer.position, len(index), xxhash.xxh3_64_intdigest(index))
+    writer.write(index)
+    return [
+        dataclasses.replace(item, frame_lengths=(), checksums=(), indexed=True, frame_index=ref)
+        for item in stored
+    ]
+
+
+def _tensor_for_storage(data: Any, item: WriteItem) -> torch.Tensor:
+    """The item's tensor as contiguous CPU memory, with clear errors."""
+    fqn = item.index.fqn
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"planner returned {type(data).__name__} for tensor item {fqn!r}")
+    tensor = data.detach()
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise TypeError(f"tensor {fqn!r} has layout {tensor.layout}; only dense tensors are stored")
+    if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
+        raise TypeError(f"tensor {fqn!r} has dtype {tensor.dtype}, which dcp_ext cannot store")
+    if tensor.device.type != "cpu":
+        # Accelerator tensors: one synchronous copy per item keeps the path thin;
+        # dcp.async_save stages to CPU before this point anyway.
+        tensor = tensor.to("cpu")
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if item.tensor_data is not None and tuple(tensor.shape) != tuple(item.tensor_data.chunk.sizes):
+        raise ValueError(
+            f"tensor {fqn!r} has shape {tuple(tensor.shape)} but the save plan expects "
+            f"{tuple(item.tensor_data.chunk.sizes)}"
+        )
+    return tensor
+
+
+def _raw_view(data: Any, item: WriteItem) -> tuple[torch.Tensor | None, memoryview]:
+    """The bytes to store for an item, and the tensor that owns them (``None``
+    for a bytes item, whose bytes are copied)."""
+    if item.type == WriteItemType.BYTE_IO:
+        if not hasattr(data, "getbuffer"):
+            raise TypeError(
+                f"planner returned {type(data).__name__} for bytes item "
+                f"{item.index.fqn!r}; expected io.BytesIO"
+            )
+        return None, memoryview(data.getvalue())
+    tensor = _tensor_for_storage(data, item)
+    return tensor, tensor_bytes(tensor)
+

@@ -1,0 +1,20 @@
+"""The root's one rule, the half every writer needs: save locks, leases of saves in flight, and the scan of what must stay."""
+
+from __future__ import annotations
+
+from ._leases import Lease
+from ._reuse import check_reuse
+from ._save_lock import LOCK_FILE, SaveLock, lock_state, stale_lock_seconds
+from ._scan import RootScan, committed_heads, scan_root
+
+__all__ = [
+    "check_reuse",
+    "LOCK_FILE",
+    "Lease",
+    "RootScan",
+    "SaveLock",
+    "committed_heads",
+    "lock_state",
+    "scan_root",
+    "stale_lock_seconds",
+]

@@ -1,0 +1,161 @@
+"""The package's shape (ARCHITECTURE.md): layers, no import cycles, small modules and classes.
+
+Reads dcp_ext/ with ``ast`` (nothing is imported), so a violation names the
+file and line. Every check here failed on the flat layout before issue 33
+(60 modules in dcp_ext/, two import cycles, function-level imports to dodge
+them, classes of 994 and 896 lines, modules of 1,375 and 1,019 lines).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dcp_ext"
+
+#: Each unit (a top-level module or subpackage) and its layer: a unit imports only lower layers.
+LAYERS = {
+    "errors": 0, "config": 0,
+    "_runtime": 1,
+    "storage": 2, "format": 2, "layout": 2,
+    "metadata": 3,
+    "frames": 4, "planning": 4, "guard": 4,
+    "planners": 5, "incremental": 5,
+    "dcp_io": 6,
+    "api": 7, "full": 7, "whole_state": 7, "dcp_default": 7,
+    "hf": 8,
+    "root": 9,
+    "tiers": 10,
+    "manager": 11,
+    "cli": 12, "demo": 11, "testing": 12,
+    "__init__": 13, "__main__": 14, "integrations": 14,
+}
+#: Top-level modules that are documented public API (imported by users, docs and bench).
+PUBLIC_TOP = {"__init__", "__main__", "api", "cli", "config", "demo", "errors", "layout", "planners",
+              "dcp_default", "whole_state"}
+MAX_TOP_LEVEL_MODULES = 16
+MAX_CLASS_LINES = 450
+MAX_MODULE_LINES = 750
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, int, bool]]:
+    """``(imported module, line, inside a function)`` for every import of a dcp_ext module."""
+    tree = ast.parse(path.read_text())
+    is_package = path.name == "__init__.py"
+    base = name if is_package else name.rpartition(".")[0]
+    found = []
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    nested = {id(sub) for f in functions for sub in ast.walk(f)}
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            parts = base.split(".")
+            module = node.module or ""
+            if node.level:
+                module = ".".join(parts[: len(parts) - node.level + 1] + ([module] if module else []))
+            for alias in node.names:  # `from . import demo` imports the module demo
+                targets.append(f"{module}.{alias.name}" if f"{module}.{alias.name}" in MODULES else module)
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        for target in targets:
+            if target.split(".")[0] == "dcp_ext" and target in MODULES and target != name:
+                found.append((target, node.lineno, id(node) in nested))
+    return found
+
+
+def _unit(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_layers_and_no_import_cycles() -> None:
+    problems = []
+    edges: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        unit = _unit(name)
+        assert unit in LAYERS, f"{path}: {unit!r} has no layer in this test and ARCHITECTURE.md"
+        for target, line, in_function in _imports(name, path):
+            edges.setdefault(name, set()).add(target)
+            if in_function and not name.startswith("dcp_ext.testing"):
+                problems.append(f"{path}:{line}: imports {target} inside a function")
+            other = _unit(target)
+            if other != unit and LAYERS[other] >= LAYERS[unit]:
+                problems.append(f"{path}:{line}: {unit} (layer {LAYERS[unit]}) imports {target} "
+                                f"({other}, layer {LAYERS[other]})")
+    assert problems == [], "\n".join(problems)
+    # Tarjan's strongly connected components: any with two modules or more is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+    counter = itertools.count()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = next(counter)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in MODULES:
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_folders_show_the_architecture() -> None:
+    top = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    assert set(top) <= PUBLIC_TOP, set(top) - PUBLIC_TOP
+    for package in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
+        tree = ast.parse((package / "__init__.py").read_text())
+        assert ast.get_docstring(tree), f"{package.name}/__init__.py says nothing of its job"
+        if package.name in ("testing",):
+            continue
+        assert any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets)
+                   for n in tree.body), f"{package.name}/__init__.py has no __all__"
+        if package.name in ("metadata", "storage", "_runtime", "integrations"):
+            continue  # public modules (metadata, storage), a private package, or per-framework modules
+        public = [p.name for p in package.glob("*.py") if not p.name.startswith("_")]
+        assert public == [], f"{package.name}/: implementation modules are _-prefixed, not {public}"
+
+
+def test_modules_and_classes_are_small() -> None:
+    big = []
+    for name, path in MODULES.items():
+        source = path.read_text()
+        lines = source.count("\n")
+        if lines > MAX_MODULE_LINES:
+            big.append(f"{path}: {lines} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                big.append(f"{path}: class {node.name} has {node.end_lineno - node.lineno + 1} lines")
+        doc = ast.get_docstring(ast.parse(source))
+        if not doc:
+            big.append(f"{path}: no module docstring")
+    assert big == [], "\n".join(big)

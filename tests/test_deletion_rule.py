@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -209,8 +210,12 @@ def test_failed_save_is_cleaned_up_by_the_next_one(tmp_path: Path) -> None:
     foreign = root / "foreign_partial"
     foreign.mkdir()
     (foreign / "data.distcp").write_bytes(b"someone else's")
+    # A deleter killed while linking its lock into place in a committed directory.
+    dead = {"save_id": "d", "started": time.time(), "host": socket.gethostname(), "pid": 1, "pid_start": 0}
+    (root / "ok_partial" / ".dcp_ext.saving.dcp_ext-tmp-0123456789ab").write_text(json.dumps(dead))
     manager.save("ok2", nn.Linear(4, 4))
     assert not failed.exists() and (foreign / "data.distcp").exists()
+    assert sorted(p.name for p in (root / "ok_partial").iterdir() if p.name.startswith(".")) == [".metadata"]
     manager.close()
 
 

@@ -143,3 +143,29 @@ def test_store_contract_create_exclusive(backend: Any) -> None:
     store.delete("lock")
     assert store.create_exclusive("lock", second) is True
     assert _side_door_read(backend, store, "lock") == second
+
+
+def test_a_dead_holders_reused_pid_or_zombie_does_not_keep_a_lock_live(tmp_path: Any) -> None:
+    """Pids wrap (pid_max is 32768 here): a lock whose holder died is not kept
+    live for an hour because another process now has its pid (its start time
+    differs), nor by the holder's unreaped zombie."""
+    import subprocess
+
+    store = open_store(str(tmp_path / "ck"), IOConfig(), {})
+    store.ensure_root()
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        mine = LockRecord.mine("reused")
+        store.write_file(LOCK_FILE, json.dumps({**json.loads(mine.to_json()), "pid": other.pid,
+                                                "pid_start": 1}).encode())
+        state = lock_state(store)
+        assert state is not None and not state.live, state
+        store.write_file(LOCK_FILE, json.dumps({**json.loads(mine.to_json()), "pid": other.pid,
+                                                "pid_start": None}).encode())
+        assert lock_state(store).live  # type: ignore[union-attr]  # the same process: live
+        other.kill()
+        time.sleep(0.2)  # killed, not yet reaped: a zombie
+        assert not lock_state(store).live  # type: ignore[union-attr]
+    finally:
+        other.kill()
+        other.wait()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from ._leases import Lease
 from ._reuse import check_reuse
-from ._save_lock import LOCK_FILE, SaveLock, lock_state, stale_lock_seconds
+from ._save_lock import LOCK_FILE, file_state, SaveLock, lock_state, stale_lock_seconds
 from ._scan import RootScan, committed_heads, scan_root
 
 __all__ = [
+    "file_state",
     "check_reuse",
     "LOCK_FILE",
     "Lease",

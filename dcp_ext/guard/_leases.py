@@ -26,9 +26,6 @@ Which ranks call what: the coordinator of the save only; plain I/O.
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +69,7 @@ class Lease:
         self.storage_options = dict(storage_options or {})
         self.id = uuid.uuid4().hex
         self.name = f"{LEASE_PREFIX}{self.id}{LEASE_SUFFIX}"
-        self.record = LockRecord(self.id, time.time(), socket.gethostname(), os.getpid(), tag=tag, base=base)
+        self.record = LockRecord.mine(self.id, tag=tag, base=base)
         self.held = False
         self._store: Store | None = None
 

@@ -67,6 +67,9 @@ class LockRecord:
             abandoned at once.
         tag: Leases only (:mod:`dcp_ext.guard._leases`): the tag being saved.
         base: Leases only: the tag whose files the save may refer to.
+        pid_start: When the process started (Linux clock ticks since boot;
+            ``None`` where unknown): a process that reuses the pid of a dead
+            holder is not the holder.
     """
 
     save_id: str
@@ -76,6 +79,13 @@ class LockRecord:
     released: bool = False
     tag: str | None = None
     base: str | None = None
+    pid_start: int | None = None
+
+    @classmethod
+    def mine(cls, save_id: str, tag: str | None = None, base: str | None = None) -> LockRecord:
+        """A record of this process, taken now (``tag``, ``base``: a lease's)."""
+        pid = os.getpid()
+        return cls(save_id, time.time(), socket.gethostname(), pid, tag=tag, base=base, pid_start=_process_stat(pid)[1])
 
     def to_json(self) -> bytes:
         doc: dict[str, object] = {"save_id": self.save_id, "started": self.started, "host": self.host, "pid": self.pid}
@@ -85,6 +95,8 @@ class LockRecord:
             doc["tag"] = self.tag
         if self.base is not None:
             doc["base"] = self.base
+        if self.pid_start is not None:
+            doc["pid_start"] = self.pid_start
         return json.dumps(doc).encode()
 
     @classmethod
@@ -92,11 +104,13 @@ class LockRecord:
         """The record in ``data``, or ``None`` if it is empty or not a record."""
         try:
             doc = json.loads(data)
-            tag, base = doc.get("tag"), doc.get("base")
+            tag, base, pid_start = doc.get("tag"), doc.get("base"), doc.get("pid_start")
             if not isinstance(tag, (str, type(None))) or not isinstance(base, (str, type(None))):
                 return None
+            if pid_start is not None and (not isinstance(pid_start, int) or isinstance(pid_start, bool)):
+                return None
             record = cls(str(doc["save_id"]), float(doc["started"]), str(doc["host"]), int(doc["pid"]),
-                         doc.get("released") is True, tag, base)
+                         doc.get("released") is True, tag, base, pid_start)
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
             return None
         return record if math.isfinite(record.started) else None
@@ -151,19 +165,23 @@ def _holder_running(record: LockRecord) -> bool | None:
         return False
     except OSError:
         return True  # it exists (another user's process)
-    return not _zombie(record.pid)
+    state, start = _process_stat(record.pid)
+    if state in (b"Z", b"X"):
+        return False  # exited, not yet reaped (a killed job's ranks linger so): holds nothing
+    # The pid was reused by another process after the holder died (pids wrap
+    # at /proc/sys/kernel/pid_max, 32768 by default).
+    return record.pid_start is None or start is None or start == record.pid_start
 
 
-def _zombie(pid: int) -> bool:
-    """Whether ``pid`` has exited but not been reaped yet (Linux; ``False``
-    where ``/proc`` cannot tell): a killed job's ranks linger so until their
-    parent waits for them, and hold nothing any more."""
+def _process_stat(pid: int) -> tuple[bytes | None, int | None]:
+    """The state letter and start time (clock ticks since boot) of ``pid``
+    from ``/proc`` (Linux); ``(None, None)`` where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             fields = stat.read().rsplit(b")", 1)[-1].split()
-    except OSError:
-        return False
-    return bool(fields) and fields[0] in (b"Z", b"X")
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None, None
 
 
 def lock_state(store: Store, now: float | None = None) -> LockState | None:
@@ -226,7 +244,7 @@ class SaveLock:
             CheckpointInProgressError: Another save holds a live lock.
         """
         store = self.store
-        record = LockRecord(self.save_id, time.time(), socket.gethostname(), os.getpid())
+        record = LockRecord.mine(self.save_id)
         for _ in range(3):
             if store.create_exclusive(LOCK_FILE, record.to_json()):
                 self.held = True

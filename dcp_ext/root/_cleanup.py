@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import CheckpointNotFoundError
-from ..guard import RootScan, SaveLock, lock_state, stale_lock_seconds
+from ..guard import LOCK_FILE, RootScan, SaveLock, file_state, lock_state, stale_lock_seconds
 from ..layout import (
     DATA_SUFFIX,
     PARTIAL_SUFFIX,
@@ -130,6 +130,7 @@ class LeftoverCleanup:
         directory is not a leftover: committed (by dcp_ext or torch), saved
         by a live save, or without dcp_ext's mark."""
         if store.exists(METADATA_FILE) or store.exists(TORCH_METADATA_FILE):
+            _remove_dead_lock_temporaries(store)
             return None
         if store.exists(RETIRED_FILE):
             return "retired"
@@ -203,3 +204,21 @@ class LeftoverCleanup:
 def _lock_live(store: Store) -> bool:
     state = lock_state(store)
     return state is not None and state.live
+
+
+def _remove_dead_lock_temporaries(store: Store) -> None:
+    """(local file systems) Delete the temporary files of save locks that a
+    killed process left in the committed directory ``store`` (a lock appears
+    whole through a temporary file ``link``ed into place; a process killed
+    in between leaves it). Each holds its lock record: it goes once the
+    lock rule says its writer is gone. Object stores write locks in one
+    conditional PUT and leave none."""
+    if store.kind != "local":
+        return
+    prefix = LOCK_FILE + TMP_MARK
+    for name in store.list_names():
+        if name.startswith(prefix):
+            state = file_state(store, name)
+            if state is not None and not state.live:
+                log.info("removing %s: %s", store.describe(name), state.reason)
+                store.delete(name)

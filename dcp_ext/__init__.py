@@ -49,7 +49,7 @@ from .errors import (
     unwrap_checkpoint_exception,
 )
 from .format import Codec, UnsafeUserContentError, ZstdCodec
-from .full import FullCheckpointReader, PretrainedLoadReport, load_pretrained
+from .full import FullCheckpointReader, KeyList, PretrainedLoadReport, load_pretrained
 from .hf import HFExportReport, export_hf, save_hf
 from .layout import InvalidTagError, MeshInfo, Partition, RankPartition, TagInfo
 from .manager import (
@@ -86,6 +86,7 @@ __all__ = [
     "active_dcp_default",
     "DcpDefault",
     "load_whole",
+    "KeyList",
     "restore_optimizer_keys",
     "WholeStatePlanner",
     "UnsupportedTorchError",

@@ -28,6 +28,7 @@ __all__ = [
     "ForeignCheckpointError",
     "PostCommitError",
     "UnsupportedTorchError",
+    "NeedsCheckpointReaderError",
     "CheckpointCorruptError",
     "ChecksumMismatchError",
     "UnsupportedCodecError",
@@ -109,6 +110,12 @@ class CheckpointInUseError(DcpExtError, FileExistsError):
 class ForeignCheckpointError(DcpExtError, PermissionError):
     """The files were not written by dcp_ext (a checkpoint saved by torch's
     own writer, say): dcp_ext deletes only what it wrote."""
+
+
+class NeedsCheckpointReaderError(DcpExtError, RuntimeError):
+    """A checkpoint torch's own readers cannot load (compressed, incremental,
+    or too large for torch's pickled metadata): its ``.metadata`` says to
+    load it with :class:`dcp_ext.CheckpointReader`."""
 
 
 class UnsupportedTorchError(DcpExtError, RuntimeError):

@@ -196,7 +196,7 @@ def test_one_process_exports_cli_and_manager(tmp_path: Path) -> None:
     assert manager.tags() == ["p1"] and manager.checkpoints.hf_folders() == ["p1", "p1hf"]
     # The manager's key translation applies to the folder too.
     dcp_ext.save_checkpoint(tmp_path / "root", "renamed", model, partial=False, full_format="hf",
-                            translate_function=lambda keys: {k: f"net.{k}" for k in keys})
+                            translate_function=lambda sd: {f"net.{k}": v for k, v in sd.items()})
     _assert_equal(_folder(tmp_path / "root" / "renamed"), {f"net.{k}": v for k, v in model.state_dict().items()})
     # A single-file checkpoint where a folder is to go: refused, then replaced with overwrite.
     dcp_ext.save_checkpoint(tmp_path / "root", "one", model, partial=False)

@@ -13,8 +13,9 @@ Cases: local synchronous zstd (the checkpoint stock torchtitan cannot find to
 resume), SeaweedFS asynchronous zstd (storage_options, keep_latest_k deleting
 through dcp_ext), stock-written read by ours, ours (asynchronous,
 uncompressed) read by stock, and stock torchtitan (async) under
-``dcp_ext.use_for_dcp()``, whose checkpoint_id-only DCP calls then go
-through dcp_ext.
+``dcp_ext.use_for_dcp(compression="zstd")``, whose checkpoint_id-only DCP
+calls then go through dcp_ext, and which finds the compressed step to resume
+by its ``.metadata`` (before issue 34 it found none and started from 0).
 """
 
 from __future__ import annotations
@@ -37,5 +38,6 @@ def test_torchtitan_checkpoint_manager(make_backend, tmp_path) -> None:
     # keep_latest_k=2 deleted step-2 through dcp_ext (on S3 too).
     assert listings["zstd"] == ["step-4", "step-6"] and listings["s3"] == ["step-4", "step-6"], listings
     assert "dcp_ext.metadata.json" in listings["s3_markers"], listings
-    assert "dcp_ext.metadata.json" in listings["use_for_dcp_markers"], listings  # written by dcp_ext
+    # Written by dcp_ext, compressed, with torch's commit marker that stock torchtitan resumes by.
+    assert {"dcp_ext.metadata.json", ".metadata"} <= set(listings["use_for_dcp_markers"]), listings
 

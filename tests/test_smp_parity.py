@@ -63,18 +63,18 @@ def test_key_map_forms_and_collisions(tmp_path: Path) -> None:
     report = dcp_ext.load_pretrained(model, path, key_map=lambda k: names.get(k, k))
     assert_same_state(source.state_dict(), model.state_dict())
     assert report.unexpected == ("extra",)
-    # SMP's translate_function: all keys at once, keys absent from the mapping keep their name.
+    # SMP's key-list form, now a KeyList key_map: all keys at once, keys absent keep their name.
     calls: list[list[str]] = []
 
-    def translate(keys: list[str]) -> dict[str, str]:
+    def by_list(keys: list[str]) -> dict[str, str]:
         calls.append(list(keys))
         return {k: v for k, v in names.items() if k != "dec.b"}
 
     model = Pair(3)
     with pytest.raises(CheckpointKeyError, match=r"lacks 1 key\(s\) of the model: \['second.bias'\]"):
-        dcp_ext.load_pretrained(model, path, translate_function=translate)
+        dcp_ext.load_pretrained(model, path, key_map=dcp_ext.KeyList(by_list))
     assert sorted(calls[0]) == ["dec.b", "dec.w", "enc.b", "enc.w", "extra"]
-    report = dcp_ext.load_pretrained(model, path, translate_function=translate, strict=False)
+    report = dcp_ext.load_pretrained(model, path, key_map=dcp_ext.KeyList(by_list), strict=False)
     assert report.missing == ("second.bias",) and "dec.b" in report.unexpected
     assert torch.equal(model.first.weight, source.first.weight)
 
@@ -82,60 +82,105 @@ def test_key_map_forms_and_collisions(tmp_path: Path) -> None:
     with pytest.raises(CheckpointKeyError, match=r"keys 'dec.w' and 'enc.w' are both renamed to 'first.weight'"):
         dcp_ext.load_pretrained(Pair(4), path, key_map={**names, "dec.w": "first.weight"})
     with pytest.raises(CheckpointKeyError, match=r"'dec.b' and 'enc.b' are both renamed to 'x'"):
-        dcp_ext.load_pretrained(Pair(4), path, translate_function=lambda keys: {"enc.b": "x", "dec.b": "x"})
+        dcp_ext.load_pretrained(Pair(4), path, key_map=dcp_ext.KeyList(lambda keys: {"enc.b": "x", "dec.b": "x"}))
     with pytest.raises(ValueError, match="key_map or translate_function, not both"):
-        dcp_ext.load_pretrained(Pair(4), path, key_map=names, translate_function=translate)
+        dcp_ext.load_pretrained(Pair(4), path, key_map=names, translate_function=lambda sd: sd)
     with pytest.raises(TypeError, match="must return a mapping"):
-        dcp_ext.load_pretrained(Pair(4), path, translate_function=lambda keys: list(keys))  # type: ignore[arg-type, return-value]
+        dcp_ext.load_pretrained(Pair(4), path, key_map=dcp_ext.KeyList(lambda keys: list(keys)))  # type: ignore[arg-type, return-value]
     with pytest.raises(TypeError, match="'enc.w' is renamed to 3"):
         dcp_ext.load_pretrained(Pair(4), path, key_map={"enc.w": 3})  # type: ignore[dict-item]
 
-    # resume(partial=False) renames too: a full checkpoint saved under the original names.
+    # resume(partial=False) renames too: a full checkpoint saved under the original names,
+    # by SMP's state-dict translate_function (issue 34: SMP's translators take and return state dicts).
     to_original = {v: k for k, v in names.items()}
-    save_checkpoint(tmp_path / "root", "full", source, partial=False, translate_function=lambda keys: to_original)
+    save_checkpoint(tmp_path / "root", "full", source, partial=False,
+                    translate_function=lambda sd: {to_original[k]: v for k, v in sd.items()})
     assert sorted(load_file(str(tmp_path / "root" / "full"))) == ["dec.b", "dec.w", "enc.b", "enc.w"]
-    for form in (names, lambda keys: names):
+    forms: list[dict[str, Any]] = [
+        {"key_map": names}, {"key_map": dcp_ext.KeyList(lambda keys: names)},
+        {"translate_function": lambda sd: {names[k]: v for k, v in sd.items()}},
+    ]
+    for form in forms:
         model = Pair(5)
-        if callable(form):
-            resume_from_checkpoint(tmp_path / "root", model, tag="full", partial=False, translate_function=form)
-        else:
-            resume_from_checkpoint(tmp_path / "root", model, tag="full", partial=False, key_map=form)
+        resume_from_checkpoint(tmp_path / "root", model, tag="full", partial=False, **form)
         assert_same_state(source.state_dict(), model.state_dict())
     with pytest.raises(ValueError, match="apply to full checkpoints"):
         resume_from_checkpoint(tmp_path / "root", model, tag="full", partial=True, key_map=names)
+
+
+def test_smp_translate_function_fuses_tensors_on_a_full_load(tmp_path: Path) -> None:
+    """SageMaker's translate_function takes the loaded state dict and returns
+    one for the model (the seed 000 page: "a state_dict translation
+    function"): here it fuses two checkpoint tensors into one parameter and
+    renames the rest; before issue 34 dcp_ext called it with a list of keys
+    ("'list' object has no attribute 'items'" for an SMP translator)."""
+
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qk = nn.Linear(8, 32, bias=False)  # q and k stacked
+            self.out = nn.Linear(32, 4)
+
+    torch.manual_seed(0)
+    q, k, w, b = torch.randn(16, 8), torch.randn(16, 8), torch.randn(4, 32), torch.randn(4)
+    save_file({"attn.q.weight": q, "attn.k.weight": k, "proj.weight": w, "proj.bias": b},
+              str(tmp_path / "model.safetensors"))
+    seen: list[list[str]] = []
+
+    def smp_translate(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        seen.append(sorted(state))
+        return {"qk.weight": torch.cat([state.pop("attn.q.weight"), state.pop("attn.k.weight")]),
+                "out.weight": state["proj.weight"], "out.bias": state["proj.bias"]}
+
+    model = Fused()
+    report = dcp_ext.load_pretrained(model, str(tmp_path / "model.safetensors"), translate_function=smp_translate)
+    assert seen == [["attn.k.weight", "attn.q.weight", "proj.bias", "proj.weight"]]
+    assert torch.equal(model.qk.weight, torch.cat([q, k])) and torch.equal(model.out.weight, w)
+    assert torch.equal(model.out.bias, b) and report.loaded == ("out.bias", "out.weight", "qk.weight")
+    # Through resume_from_checkpoint (SMP's call), on a meta-device model, and the errors.
+    with torch.device("meta"):
+        meta = Fused()
+    resume_from_checkpoint(tmp_path, meta, tag="model.safetensors", partial=False, translate_function=smp_translate)
+    assert torch.equal(meta.qk.weight, torch.cat([q, k]))
+    with pytest.raises(TypeError, match=r"translate_function must return a state dict, got list"):
+        dcp_ext.load_pretrained(Fused(), str(tmp_path / "model.safetensors"), translate_function=lambda sd: list(sd))  # type: ignore[arg-type, return-value]
+    with pytest.raises(CheckpointKeyError, match=r"returns no tensor for 1 key\(s\) of the model: \['out.bias'\]"):
+        dcp_ext.load_pretrained(Fused(), str(tmp_path / "model.safetensors"),
+                                translate_function=lambda sd: {k: v for k, v in smp_translate(sd).items() if k != "out.bias"})
+    with pytest.raises(ValueError, match="dequantize_fp8 is not supported"):
+        dcp_ext.load_pretrained(Fused(), str(tmp_path / "model.safetensors"), translate_function=smp_translate,
+                                dequantize_fp8=True)
 
 
 def test_translate_if_full_on_save(tmp_path: Path) -> None:
     model = Pair(0)
     to_original = {"first.weight": "enc.w", "first.bias": "enc.b", "second.weight": "dec.w"}
 
-    def translate(keys: list[str]) -> dict[str, str | None]:
-        return {**{k: v for k, v in to_original.items() if k in keys}, "second.bias": None}
+    def translate(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # SMP's form: state dict in and out
+        return {to_original[k]: v for k, v in state.items() if k in to_original}  # second.bias left out
 
     save_checkpoint(tmp_path, "translated", model, partial=False, translate_function=translate)
     save_checkpoint(tmp_path, "own", model, partial=False, translate_function=translate, translate_if_full=False)
     save_checkpoint(tmp_path, "plain", model, partial=False)  # translate_if_full=True without a function
     stored = load_file(str(tmp_path / "translated"))
-    assert sorted(stored) == ["dec.w", "enc.b", "enc.w"]  # None left second.bias out
+    assert sorted(stored) == ["dec.w", "enc.b", "enc.w"]
     for key, original in to_original.items():
         assert torch.equal(stored[original], model.state_dict()[key])
     assert_same_state(model.state_dict(), load_file(str(tmp_path / "own")))
     assert_same_state(model.state_dict(), load_file(str(tmp_path / "plain")))
 
-    # Loaded back with the inverse translation.
+    # Loaded back with the inverse renaming.
     fresh = Pair(1)
     back = {v: k for k, v in to_original.items()}
-    report = dcp_ext.load_pretrained(fresh, str(tmp_path / "translated"), translate_function=lambda keys: back,
-                                     strict=False)
+    report = dcp_ext.load_pretrained(fresh, str(tmp_path / "translated"), key_map=back, strict=False)
     assert report.missing == ("second.bias",)
     assert torch.equal(fresh.first.weight, model.first.weight) and torch.equal(fresh.second.weight, model.second.weight)
 
     with pytest.raises(ValueError, match="full checkpoints"):
         save_checkpoint(tmp_path, "p", model, translate_function=translate)
-    with pytest.raises(CheckpointKeyError, match="'first.bias' and 'second.bias' are both renamed to 'b'"):
-        save_checkpoint(tmp_path, "clash", model, partial=False,
-                        translate_function=lambda keys: {"first.bias": "b", "second.bias": "b"})
-    assert not (tmp_path / "clash").exists()
+    with pytest.raises(TypeError, match=r"full checkpoint 'bad': translate_function returned 'x': int"):
+        save_checkpoint(tmp_path, "bad", model, partial=False, translate_function=lambda sd: {"x": 1})
+    assert not (tmp_path / "bad").exists()
 
 
 def test_load_optimizer_false_and_load_sharded_optimizer_state(tmp_path: Path) -> None:
@@ -275,11 +320,13 @@ def test_two_ranks_seed002_translate_tp_and_fp8(tmp_path: Path) -> None:
         # 1. resume_from_checkpoint(model_dir, tag="fullmodel.pt", partial=False), bit-exact.
         assert (out["seed002_tag"], out["seed002_partial"]) == ("fullmodel.pt", False)
         assert out["seed002_keys"] == 103 and out["seed002_mismatches"] == [], (rank, out["seed002_mismatches"])
-        # 2. translate_function saw every key of the file once; 24 renamed TP tensors, bit-exact.
+        # 2. the KeyList key_map saw every key of the file once; 24 renamed TP tensors, bit-exact.
         assert out["tp_keys_seen"] == [out["tp_file_keys"]]
         assert len(out["tp_loaded"]) == 6 * 6 and out["tp_mismatches"] == [], (rank, out["tp_mismatches"])
         assert out["tp_placements"]["blocks.0.up.weight"] == "(Shard(dim=0),)"
         assert out["tp_placements"]["blocks.0.down.weight"] == "(Shard(dim=1),)"
+        # SMP's state-dict translate_function into the same TP model: whole tensors in, each rank its shard.
+        assert out["tp_state_mismatches"] == [] and out["tp_state_placements"] == out["tp_placements"], (rank, out)
         # 3. FP8 into FSDP2 Shard(0), bf16: every quantized weight dequantized, equal to the test's own.
         assert len(out["fp8_fsdp_dequantized"]) == quantized
         assert out["fp8_fsdp_unexpected"] == ("embeddings.position_ids",)  # no *_scale_inv

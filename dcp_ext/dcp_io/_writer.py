@@ -74,6 +74,7 @@ from ..metadata import (
     StoredItem,
     encode_metadata,
     to_torch_metadata,
+    torch_reader_marker,
 )
 from ..metadata.document import FrameIndexRef
 from ..metadata.frame_index import encode_frame_index
@@ -421,10 +422,15 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         )
         if self.incremental is not None:
             self.incremental.end_lease()  # committed: the base's files are now referred to by our metadata
-        if len(items) <= self.config.torch_metadata_chunks and not compressed and incremental is None:
-            # Written after ours, so that a directory with torch's .metadata alone
-            # is never a crashed dcp_ext save (the root's cleanup leaves it alone).
-            store.write_file(TORCH_METADATA_FILE, to_torch_metadata(metadata, items))
+        # Written after ours, so that a directory with torch's .metadata alone is
+        # never a crashed dcp_ext save (the root's cleanup leaves it alone); always
+        # written, so tools that take it as DCP's commit marker find every checkpoint.
+        reason = ("its data is compressed" if compressed else "it refers to earlier checkpoints' files"
+                  if incremental is not None else f"its {len(items)} chunks are too many for torch's pickled "
+                  f"metadata (IOConfig.torch_metadata_chunks)" if len(items) > self.config.torch_metadata_chunks
+                  else None)
+        store.write_file(TORCH_METADATA_FILE, to_torch_metadata(metadata, items) if reason is None
+                         else torch_reader_marker(reason))
         # Old files go while the lock is still held: a save that takes it next
         # may write files this one does not name.
         self._remove_leftovers(

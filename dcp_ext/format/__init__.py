@@ -15,7 +15,7 @@ from ._tagged_json import UnsupportedValueError, decode_tree, encode_tree
 from ._torch_bytes import (
     DTYPES,
     Envelope,
-    _HoleRecorder,
+    HoleRecorder,
     dtype_from_name,
     dtype_name,
     tensor_bytes,
@@ -40,7 +40,7 @@ __all__ = [
     "UnsafeUserContentError",
     "UnsupportedValueError",
     "ZstdCodec",
-    "_HoleRecorder",
+    "HoleRecorder",
     "build_header",
     "check_descriptors",
     "decode_frame",

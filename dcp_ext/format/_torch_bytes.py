@@ -34,7 +34,7 @@ class Envelope:
     suffix: bytes
 
 
-class _HoleRecorder:
+class HoleRecorder:
     """A write-only file that records bytes around the one skipped data region."""
 
     def __init__(self) -> None:
@@ -78,7 +78,7 @@ def torch_save_envelope(dtype: torch.dtype, shape: tuple[int, ...]) -> Envelope:
     """
     # torch.empty does not touch its pages, so even a huge shape costs no RSS.
     template = torch.empty(shape, dtype=dtype)
-    recorder = _HoleRecorder()
+    recorder = HoleRecorder()
     with skip_data():
         torch.save(template, recorder)  # type: ignore[arg-type]
     if template.numel() == 0:

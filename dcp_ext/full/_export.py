@@ -36,7 +36,7 @@ from ._write import (
 __all__ = ["export_partial", "exported_keys", "whole_tensor_items", "refuse_output_in_source"]
 
 
-class _IntoTensor:
+class IntoTensor:
     """The two planner calls ``CheckpointReader.read_data`` makes, aimed at one
     tensor, or at one tensor per key (``{key: tensor}``)."""
 
@@ -168,7 +168,7 @@ def export_partial(
         key = chosen[index][1]
         md = tensors[key]
         dest = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        reader.read_data(LoadPlan(whole_tensor_items(key, md)), cast(LoadPlanner, _IntoTensor(dest)))
+        reader.read_data(LoadPlan(whole_tensor_items(key, md)), cast(LoadPlanner, IntoTensor(dest)))
         return dest
 
     recorder = ChecksumRecorder(name, reader.config.frame_size)

@@ -12,8 +12,8 @@ and broadcasting it.
 ``torch.save`` files are read without unpickling anything but tensor layout
 (:mod:`dcp_ext.full._torch_zip`).
 
-Keys are renamed on the way in with ``key_map`` or an SMP-style
-``translate_function`` (:mod:`dcp_ext.full._key_map`), and block-scaled FP8 weights
+Keys are renamed on the way in with ``key_map`` (:mod:`dcp_ext.full._key_map`),
+or the state dict is translated whole by an SMP-style ``translate_function``, and block-scaled FP8 weights
 are dequantized into the model's dtype with ``dequantize_fp8=True``
 (:mod:`dcp_ext.full._fp8`).
 """
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -59,7 +60,7 @@ from ._fp8 import (
     fp8_like,
     paired_scales,
 )
-from ._key_map import KeyMap, TranslateFunction, rename_keys
+from ._key_map import KeyMap, TranslateFunction, rename_keys, translate_state
 from ._torch_zip import StoredTensor, numel, torch_save_tensors
 
 __all__ = ["FullCheckpointReader", "load_pretrained", "PretrainedLoadReport"]
@@ -91,12 +92,10 @@ class FullCheckpointReader(CheckpointReader):
         path: A ``.safetensors`` or ``torch.save`` file, or a folder holding
             ``model.safetensors`` or ``model.safetensors.index.json``.
         key_map: Maps a key in the file to the state-dict key to load it
-            into: a callable (``None`` skips the tensor) or a dict (keys not in
-            it keep their name; a value of ``None`` skips); identity by default.
-        translate_function: Instead of ``key_map``, SMP style: called once
-            with the list of all keys in the file, returns ``{file key:
-            state-dict key}`` (keys absent keep their name). Two keys given
-            one name raise :class:`~dcp_ext.errors.CheckpointKeyError`.
+            into: a callable (``None`` skips the tensor), a dict (keys not in
+            it keep their name; a value of ``None`` skips), or a
+            :class:`~dcp_ext.KeyList` (all keys at once); identity by default.
+            Two keys given one name raise :class:`~dcp_ext.errors.CheckpointKeyError`.
         dequantize_fp8: Pair each 2-D FP8 tensor ``K`` with its scale
             ``K_scale_inv``: the scales are then left out of the metadata and
             listed in :attr:`scales` (by state-dict key). ``dcp.load`` with
@@ -114,17 +113,13 @@ class FullCheckpointReader(CheckpointReader):
         path: str | os.PathLike[str],
         *,
         key_map: KeyMap | None = None,
-        translate_function: TranslateFunction | None = None,
         dequantize_fp8: bool = False,
         storage_options: dict[str, Any] | None = None,
         config: IOConfig | None = None,
         **io_options: Any,
     ) -> None:
-        if key_map is not None and translate_function is not None:
-            raise ValueError("pass key_map or translate_function, not both")
         self.source = normalize_path(path)
         self.key_map = key_map
-        self.translate_function = translate_function
         self.dequantize_fp8 = dequantize_fp8
         self.scales: dict[str, FP8Scale] = {}
         root, self._file = self._locate(self.source, storage_options, config)
@@ -163,8 +158,7 @@ class FullCheckpointReader(CheckpointReader):
             paired_scales({k: t.dtype for k, t in tensors.items()}, {k: t.shape for k, t in tensors.items()})
             if self.dequantize_fp8 else {}
         )
-        names = rename_keys(list(tensors), key_map=self.key_map, translate_function=self.translate_function,
-                            where=self.source, exclude=set(paired.values()))
+        names = rename_keys(list(tensors), key_map=self.key_map, where=self.source, exclude=set(paired.values()))
         recorded = read_checksums(self.store, self._file)
         sized: set[str] = set()
         self.scales = {
@@ -288,11 +282,15 @@ def load_pretrained(
         path: ``.safetensors`` / ``torch.save`` file, or a Hugging Face folder.
         strict: Refuse a checkpoint that lacks some of the model's keys.
         key_map: Maps checkpoint keys to model keys: a callable (``None``
-            skips a key) or a dict ``{checkpoint key: model key}`` (keys not
-            in it keep their name; ``None`` skips).
-        translate_function: Instead of ``key_map``, the SageMaker form: a
-            callable given the list of all checkpoint keys at once, returning
-            ``{checkpoint key: model key}`` (keys absent keep their name).
+            skips a key), a dict ``{checkpoint key: model key}`` (keys not
+            in it keep their name; ``None`` skips), or a
+            :class:`~dcp_ext.KeyList` given all keys at once (SageMaker's
+            key-list form). Each rank still reads only its slices.
+        translate_function: Instead of ``key_map``, the SageMaker library's
+            state-dict translation: called with the whole checkpoint as
+            ``{key: tensor}`` (every rank reads every tensor whole), returns
+            the state dict to load (keys renamed, tensors fused, split or
+            transposed as the model needs). Not with ``dequantize_fp8``.
         dequantize_fp8: Load block-scaled FP8 weights (``K`` in an FP8 dtype
             beside ``K_scale_inv``, as in DeepSeek-V3 checkpoints) into
             bf16/fp32 parameters: each rank reads its slice of the FP8 weight
@@ -309,16 +307,12 @@ def load_pretrained(
     Raises:
         KeyError: With ``strict=True``, the model keys the checkpoint lacks;
             two checkpoint keys renamed to one model key (both named).
+        TypeError: ``translate_function`` returned something other than a
+            state dict of tensors.
         ValueError: A tensor whose shape differs between model and checkpoint;
             an FP8 weight with a scale loaded into a non-FP8 parameter without
             ``dequantize_fp8``; a scale of the wrong shape for ``fp8_block_size``.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-
     uninitialized: list[str] = []
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         persistent = set(model.state_dict().keys())
@@ -330,9 +324,16 @@ def load_pretrained(
                 f"allocated but uninitialized; set them before use",
                 stacklevel=2,
             )
+    if translate_function is not None:
+        if key_map is not None:
+            raise ValueError("pass key_map or translate_function, not both")
+        if dequantize_fp8:
+            raise ValueError("translate_function loads whole tensors; dequantize_fp8 is not supported with it")
+        return _load_translated(model, path, translate_function, strict, uninitialized, storage_options,
+                                process_group, config)
     block = block_shape(fp8_block_size)
-    reader = FullCheckpointReader(path, key_map=key_map, translate_function=translate_function,
-                                  dequantize_fp8=dequantize_fp8, storage_options=storage_options, config=config)
+    reader = FullCheckpointReader(path, key_map=key_map, dequantize_fp8=dequantize_fp8,
+                                  storage_options=storage_options, config=config)
     metadata = reader.read_metadata()
     state = get_model_state_dict(model, options=StateDictOptions())
     available = set(metadata.state_dict_metadata)
@@ -383,4 +384,53 @@ def load_pretrained(
         uninitialized_buffers=tuple(uninitialized),
         bytes_read=reader.store.stats.snapshot().bytes_read,
         dequantized=tuple(sorted(quantized)),
+    )
+
+
+def _load_translated(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    translate_function: TranslateFunction,
+    strict: bool,
+    uninitialized: list[str],
+    storage_options: dict[str, Any] | None,
+    process_group: Any,
+    config: IOConfig | None,
+) -> PretrainedLoadReport:
+    """(all ranks) :func:`load_pretrained` with SageMaker's state-dict
+    ``translate_function``: every tensor of the checkpoint read whole on every
+    rank, translated, then set into the (possibly sharded) model, each rank
+    keeping its shard (``set_model_state_dict(full_state_dict=True)``)."""
+    reader = FullCheckpointReader(path, storage_options=storage_options, config=config)
+    metadata = reader.read_metadata()
+    whole = {
+        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+    }
+    run_load(whole, reader, LayoutLoadPlanner(strict=True, keys=tuple(whole)), process_group)
+    state = translate_state(whole, translate_function, reader.source)
+    del whole
+    model_keys = get_model_state_dict(model, options=StateDictOptions())
+    missing = sorted(k for k in model_keys if k not in state)
+    unexpected = sorted(k for k in state if k not in model_keys)
+    if missing and strict:
+        raise CheckpointKeyError(
+            f"translate_function of {reader.source} returns no tensor for {len(missing)} key(s) of the model: "
+            f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; pass strict=False to keep their current values"
+        )
+    wanted = {k: v for k, v in state.items() if k in model_keys}
+    for key, value in wanted.items():
+        target: Any = model_keys[key]
+        shape = tuple(getattr(target, "shape", ()))
+        if tuple(value.shape) != shape:
+            raise ReshardError(f"{key!r}: translate_function returns shape {tuple(value.shape)} but the model has {shape}")
+        wanted[key] = value.to(target.dtype)
+    set_model_state_dict(model, wanted, options=StateDictOptions(full_state_dict=True, strict=False))
+    return PretrainedLoadReport(
+        loaded=tuple(sorted(wanted)),
+        missing=tuple(missing),
+        unexpected=tuple(unexpected),
+        uninitialized_buffers=tuple(uninitialized),
+        bytes_read=reader.store.stats.snapshot().bytes_read,
+        dequantized=(),
     )

@@ -28,7 +28,7 @@ from torch.serialization import skip_data
 
 from .._runtime import GroupView
 from ..errors import CheckpointExistsError, DcpExtError
-from ..format import _HoleRecorder, build_header, tensor_bytes
+from ..format import HoleRecorder, build_header, tensor_bytes
 from ..layout import user_content_name
 from ..storage import ObjectWriter, Store
 from ._checksums import ChecksumRecorder, encode_sidecar, sidecar_name
@@ -97,7 +97,7 @@ def full_layout(specs: Sequence[FullTensorSpec], fmt: str, metadata: dict[str, s
 def _torch_layout(specs: Sequence[FullTensorSpec]) -> FullLayout:
     # Unallocated templates: torch.empty does not touch its pages.
     templates = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in specs}
-    recorder = _HoleRecorder()
+    recorder = HoleRecorder()
     with skip_data():
         torch.save(templates, recorder)  # type: ignore[arg-type]
     del templates

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from .._runtime import GroupView
 from ..config import IOConfig
 from ..dcp_io import CheckpointReader, FrameStream
-from ..full import _IntoTensor, exported_keys, whole_tensor_items
+from ..full import IntoTensor, exported_keys, whole_tensor_items
 from ..metadata import StoredItem
 from ._layout import Box, HFFile, HFTensor, Transfer, plan_transfers
 from ._sink import Assembled, FileSink
@@ -457,13 +457,13 @@ class StoredState:
                 else:
                     blocks.append((dest, item))
         if direct:
-            self.reader.read_data(LoadPlan(direct), cast(LoadPlanner, _IntoTensor(dests)))
+            self.reader.read_data(LoadPlan(direct), cast(LoadPlanner, IntoTensor(dests)))
         for dest, item in blocks:
             lengths = tuple(int(n) for n in item.lengths)
             self.block_arena.reset(Arena.size_of(dest.dtype, lengths))
             block = self.block_arena.take(dest.dtype, lengths)
             at_zero = dataclasses.replace(item, dest_offsets=torch.Size((0,) * len(item.lengths)))
-            self.reader.read_data(LoadPlan([at_zero]), cast(LoadPlanner, _IntoTensor(block)))
+            self.reader.read_data(LoadPlan([at_zero]), cast(LoadPlanner, IntoTensor(block)))
             _box_view(dest, item.dest_offsets, item.lengths).copy_(block)
         return [dests[key].to(self.tensors[i].dtype) for key, i in zip(keys, indices)]
 

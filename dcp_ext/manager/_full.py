@@ -20,7 +20,6 @@ from ..full import (
     TranslateFunction,
     export_partial,
     load_pretrained,
-    rename_keys,
     save_full,
 )
 from ..hf import HF_INDEX_FILE, write_live_state, write_partial
@@ -29,7 +28,7 @@ from ..storage import join_path, normalize_path, open_store
 from ._context import ManagerContext
 from ._requests import NO_MODEL, ResumeResult, read_optional
 
-__all__ = ["FullCheckpoints", "full_state", "translated"]
+__all__ = ["FullCheckpoints", "full_state"]
 
 
 class FullCheckpoints:
@@ -194,9 +193,3 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dic
         flat, _ = flatten_state_dict({"optimizer": get_optimizer_state_dict(model, optimizer)})
         state.update({k: v for k, v in flat.items() if isinstance(v, torch.Tensor)})
     return state
-
-
-def translated(state: dict[str, Any], translate_function: TranslateFunction, where: str) -> dict[str, Any]:
-    """``state`` with its keys renamed by ``translate_function`` (``None`` leaves a key out)."""
-    names = rename_keys(list(state), translate_function=translate_function, where=where)
-    return {names[key]: value for key, value in state.items() if key in names}

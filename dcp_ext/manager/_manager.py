@@ -29,7 +29,7 @@ from torch import nn
 from ..config import IOConfig
 from ..dcp_io import AsyncSaveHandle, CheckpointReader, Stager
 from ..format import Codec, encode_user_content, resolve_codec
-from ..full import KeyMap, TranslateFunction
+from ..full import KeyMap, TranslateFunction, translate_state
 from ..incremental import DEFAULT_MAX_CHAIN
 from ..layout import PARTITION_FILE, MeshInfo, Partition, TagInfo, validate_tag
 from ..planners import LayoutLoadPlanner
@@ -37,7 +37,7 @@ from ..root import CheckpointRoot, CompactReport, KeepLast, RetentionPolicy
 from ..storage import normalize_path
 from ..tiers import LocalTier, RestorePlan
 from ._context import Groups, ManagerContext
-from ._full import FullCheckpoints, full_state, translated
+from ._full import FullCheckpoints, full_state
 from ._in_flight import InFlight, watch_at_exit
 from ._options import ASYNC_UPLOADS, IncrementalOptions, TierOptions
 from ._partial import PartialCheckpoints
@@ -305,10 +305,11 @@ class CheckpointManager:
                 model's own keys). dcp_ext has no built-in translations (the
                 SageMaker library's "supported models out of the box"), so
                 without ``translate_function`` this changes nothing.
-            translate_function: Full checkpoints: called with the list of all
-                keys being saved, returns ``{model key: saved key}`` (keys
-                absent keep their name, ``None`` leaves a key out), e.g. back
-                to the original implementation's names. Not for partial saves.
+            translate_function: Full checkpoints, SageMaker's state-dict
+                translation: called with the state dict being saved
+                (``{key: tensor}``), returns the state dict to write (keys
+                renamed, tensors split or transposed), e.g. back to the
+                original implementation's layout. Not for partial saves.
             max_shard_size: ``full_format="hf"``: most bytes of tensor data per file.
             dtype: ``full_format="hf"``: cast floating tensors to this dtype.
             hf_config: ``full_format="hf"``: the ``config.json`` to write (dict or JSON string).
@@ -340,7 +341,7 @@ class CheckpointManager:
                 raise ValueError("a full checkpoint needs the model")
             state = full_state(model, optimizer if include_optimizer else None)
             if translate_if_full and translate_function is not None:
-                state = translated(state, translate_function, f"full checkpoint {tag!r}")
+                state = translate_state(state, translate_function, f"full checkpoint {tag!r}")
             self._full.save(tag, state, encoded, full_format=full_format, overwrite=overwrite,
                             max_shard_size=max_shard_size, dtype=dtype, hf_config=hf_config)
             return None
@@ -386,12 +387,16 @@ class CheckpointManager:
                 the current layout, so there is no separate "full optimizer
                 state" load to choose.
             key_map: Full checkpoints: rename checkpoint keys to model keys
-                (a callable, ``None`` skipping a key, or a dict; see
-                :func:`dcp_ext.load_pretrained`).
-            translate_function: Full checkpoints, SageMaker style: called
-                with the list of all checkpoint keys, returns ``{checkpoint
-                key: model key}`` (keys absent keep their name), e.g. from the
-                original implementation's names to a tensor-parallel model's.
+                (a callable, ``None`` skipping a key, a dict, or a
+                :class:`~dcp_ext.KeyList` given all keys at once: SageMaker's
+                key-list form; see :func:`dcp_ext.load_pretrained`). Each rank
+                still reads only its slices.
+            translate_function: Full checkpoints, SageMaker's state-dict
+                translation: called with the checkpoint's state dict
+                (``{key: tensor}``, every tensor whole), returns the state dict
+                to load (keys renamed, tensors fused or transposed), e.g. from
+                the original implementation's layout to a tensor-parallel
+                model's (see :func:`~dcp_ext.load_pretrained`).
 
         The checkpoint may have been saved by any world size and parallel
         layout (resharding); when ``partition.json`` shows the same world size
@@ -426,12 +431,8 @@ class CheckpointManager:
 
     # -- maintenance (coordinator or a single process) -------------------------------
     def delete(self, tag: str, *, partial: bool = True, full: bool = True) -> None:
-        """Delete a checkpoint's files written by dcp_ext (nothing else), by
-        the root's one rule (:meth:`dcp_ext.root.CheckpointRoot.delete`).
-
-        Raises:
-            ValueError: ``tag`` is the target of ``newest`` (partial).
-        """
+        """Delete a checkpoint's files written by dcp_ext, by the root's one
+        rule (:meth:`dcp_ext.root.CheckpointRoot.delete`, which says what it raises)."""
         self.checkpoints.delete(tag, partial=partial, full=full)
 
     def compact(self, tag: str) -> CompactReport:

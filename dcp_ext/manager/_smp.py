@@ -42,8 +42,9 @@ def save_checkpoint(
 
     Without ``model``, the model given to :func:`dcp_ext.register_model` is
     saved (with its optimizer unless ``optimizer`` is passed).
-    ``translate_if_full`` / ``translate_function``: full saves rename keys
-    before writing (dcp_ext has no built-in translations: without a
+    ``translate_if_full`` / ``translate_function``: full saves translate the
+    state dict before writing (``{key: tensor} -> {key: tensor}``, as SMP's
+    translators; dcp_ext has no built-in ones: without a
     ``translate_function``, ``translate_if_full`` changes nothing).
 
     Extra keyword arguments: ``process_group``, ``mesh``, ``config``,

@@ -32,7 +32,7 @@ from .document import (
     validate_file_name,
 )
 from .encode import encode_metadata
-from .torch_pickle import load_torch_metadata, to_torch_metadata
+from .torch_pickle import load_torch_metadata, to_torch_metadata, torch_reader_marker
 
 __all__ = [
     "METADATA_FILE",
@@ -49,6 +49,7 @@ __all__ = [
     "chunk_shapes",
     "validate_file_name",
     "to_torch_metadata",
+    "torch_reader_marker",
     "load_torch_metadata",
     "read_created",
     "read_leading_field",

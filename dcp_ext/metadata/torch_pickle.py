@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, NeedsCheckpointReaderError
 from .document import DCP_VERSION, StoredItem
 
-__all__ = ["to_torch_metadata", "load_torch_metadata"]
+__all__ = ["to_torch_metadata", "load_torch_metadata", "torch_reader_marker", "refuse_torch_reader"]
 
 
 def to_torch_metadata(metadata: Metadata, items: Mapping[MetadataIndex, StoredItem]) -> bytes:
@@ -86,6 +86,42 @@ _LEGACY_GLOBALS = {
     ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): "TensorProperties",
     ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): "_MEM_FORMAT_ENCODING",
 }
+
+
+def torch_reader_marker(reason: str) -> bytes:
+    """A ``.metadata`` for a committed checkpoint torch's own readers cannot
+    read (compressed, incremental, or too many chunks for a pickle): tools
+    that take ``.metadata`` as DCP's commit marker (torchtitan's resume, say)
+    find it, and torch's ``FileSystemReader``/``FsspecReader`` fail on
+    unpickling it with :class:`~dcp_ext.errors.NeedsCheckpointReaderError`
+    naming ``dcp_ext.CheckpointReader`` (without dcp_ext installed: "No
+    module named 'dcp_ext'"), never silently.
+
+    Args:
+        reason: Why torch cannot read the checkpoint, for the message.
+    """
+    return pickle.dumps(_TorchReaderRefusal(reason), protocol=2)
+
+
+class _TorchReaderRefusal:
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (refuse_torch_reader, (self.reason,))
+
+
+def refuse_torch_reader(reason: str) -> Any:
+    """What unpickling a :func:`torch_reader_marker` calls.
+
+    Raises:
+        NeedsCheckpointReaderError: Always.
+    """
+    raise NeedsCheckpointReaderError(
+        f"this checkpoint was written by dcp_ext and {reason}, so torch's own readers cannot load it: load it "
+        f"with dcp_ext.CheckpointReader (dcp.load(state, storage_reader=dcp_ext.CheckpointReader(path))), or "
+        f"call dcp_ext.use_for_dcp() before dcp.load(state, checkpoint_id=path)"
+    )
 
 
 class _RestrictedUnpickler(pickle.Unpickler):

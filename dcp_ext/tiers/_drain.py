@@ -10,7 +10,7 @@ from .._runtime import GroupView, crash_point, validate_relative_name
 from ..errors import CheckpointNotFoundError, DcpExtError
 from ..guard import Lease, SaveLock
 from ..layout import PARTITION_FILE, Partition
-from ..metadata import METADATA_FILE, TORCH_METADATA_FILE, decode_metadata, read_created
+from ..metadata import METADATA_FILE, TORCH_METADATA_FILE, decode_metadata, read_created, torch_reader_marker
 from ..root import CheckpointRoot, RetentionPolicy
 from ..storage import Store
 from ._incremental_drain import (
@@ -125,9 +125,10 @@ def drain(
                     if name == METADATA_FILE:
                         raise
             if base.tag is not None:
-                # The root's copy refers to the base's files: its own document, and no torch
-                # .metadata (it would describe the local files' layout).
-                files.pop(TORCH_METADATA_FILE, None)
+                # The root's copy refers to the base's files: its own document, and
+                # torch's marker instead of the local .metadata (which describes the
+                # local files' layout).
+                files[TORCH_METADATA_FILE] = torch_reader_marker("it refers to earlier checkpoints' files")
                 decoded = decode_metadata(files[METADATA_FILE], where)
                 files[METADATA_FILE] = root_document(
                     decoded, [s for s in shares if s is not None], base, persistent, target.describe(METADATA_FILE))

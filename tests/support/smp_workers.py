@@ -37,7 +37,7 @@ _RENAMED = {"intermediate.dense": "up", "output.dense": "down", "attention.outpu
 
 
 def hf_to_renamed(keys: list[str]) -> dict[str, str]:
-    """An SMP-style translate_function: all checkpoint keys in, ``{checkpoint key: model key}`` out."""
+    """SMP's key-list form (a ``dcp_ext.KeyList`` key_map): all checkpoint keys in, ``{checkpoint key: model key}`` out."""
     table = {}
     for key in keys:
         match = _HF_FFN.fullmatch(key)
@@ -189,7 +189,7 @@ def smp_world(rank: int, world_size: int, minilm_dir: str, work: str, fp8_path: 
     dcp_ext.register_model(None)
     del model, saved
 
-    # 2. translate_function into a tensor-parallel model with other module names.
+    # 2. A key-list key_map into a tensor-parallel model with other module names.
     hf_dir = os.path.join(work, "hf")
     if rank == 0:
         os.makedirs(hf_dir, exist_ok=True)
@@ -202,7 +202,7 @@ def smp_world(rank: int, world_size: int, minilm_dir: str, work: str, fp8_path: 
         return hf_to_renamed(keys)
 
     tp = renamed_tp(world_size, torch.float32)
-    dcp_ext.resume_from_checkpoint(hf_dir, tp, tag="model.safetensors", partial=False, translate_function=translate)
+    dcp_ext.resume_from_checkpoint(hf_dir, tp, tag="model.safetensors", partial=False, key_map=dcp_ext.KeyList(translate))
     original = load_file(source)
     table = hf_to_renamed(list(original))
     reference = {table[k]: v for k, v in original.items() if k in table}
@@ -212,6 +212,16 @@ def smp_world(rank: int, world_size: int, minilm_dir: str, work: str, fp8_path: 
     out["tp_loaded"] = sorted(full)
     out["tp_placements"] = {k: str(p.placements) for k, p in tp.named_parameters() if k.startswith("blocks.0.")}
     out["tp_mismatches"] = sorted(k for k in reference if not torch.equal(full[k], reference[k]))
+    del tp, full
+
+    # 2b. SMP's state-dict translate_function into the same tensor-parallel model: every rank gets the
+    # whole tensors and keeps its shard.
+    tp = renamed_tp(world_size, torch.float32)
+    dcp_ext.resume_from_checkpoint(hf_dir, tp, tag="model.safetensors", partial=False,
+                                   translate_function=lambda sd: {table.get(k, k): v for k, v in sd.items()})
+    full = _full_tensors(tp)
+    out["tp_state_mismatches"] = sorted(k for k in reference if not torch.equal(full[k], reference[k]))
+    out["tp_state_placements"] = {k: str(p.placements) for k, p in tp.named_parameters() if k.startswith("blocks.0.")}
     del tp, full, original
 
     # 3. FP8 into an FSDP2-sharded bf16 MiniLM on the meta device.
@@ -228,7 +238,7 @@ def smp_world(rank: int, world_size: int, minilm_dir: str, work: str, fp8_path: 
 
     # 4. The same FP8 file into the renamed tensor-parallel model (bf16), translated.
     tp = renamed_tp(world_size, torch.bfloat16)
-    report = dcp_ext.load_pretrained(tp, fp8_path, translate_function=hf_to_renamed, dequantize_fp8=True)
+    report = dcp_ext.load_pretrained(tp, fp8_path, key_map=dcp_ext.KeyList(hf_to_renamed), dequantize_fp8=True)
     table = hf_to_renamed(list(expected))
     reference = {table[k]: v for k, v in expected.items() if k in table}
     full = _full_tensors(tp)

@@ -151,10 +151,11 @@ def torchtitan_suite(rank: int, world_size: int, local_root: str, s3_root: str,
     # Cross-reading: stock torchtitan (FileSystemWriter/Reader) and ours (uncompressed), both ways.
     out["stock_to_ours"] = _case(CheckpointManager, ours, os.path.join(local_root, "stock"))
     out["ours_to_stock"] = _case(ours, CheckpointManager, os.path.join(local_root, "ours"), async_mode="async")
-    # Stock torchtitan under use_for_dcp: its dcp.save/async_save/load(checkpoint_id=...) calls use dcp_ext.
+    # Stock torchtitan under use_for_dcp: its dcp.save/async_save/load(checkpoint_id=...) calls use dcp_ext,
+    # compressed: it finds the step to resume by torch's .metadata, which every dcp_ext checkpoint has.
     from dcp_ext.dcp_default import use_for_dcp
 
-    with use_for_dcp():
+    with use_for_dcp(compression="zstd"):
         out["stock_use_for_dcp"] = _case(CheckpointManager, CheckpointManager, os.path.join(local_root, "use"),
                                          async_mode="async")
     dist.barrier()

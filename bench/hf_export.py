@@ -28,7 +28,7 @@ Two sources, each exported by several systems:
   * ``today``: ``dcp_ext.full.save_full`` into ``dest/model.safetensors`` (what
     ``CheckpointManager.save(tag, model, partial=False)`` runs: every rank
     all-gathers each tensor in turn, the coordinator streams one file);
-  * ``raw`` (a ceiling, not an HF folder): each rank ``os.write``\ s the bytes
+  * ``raw`` (a ceiling, not an HF folder): each rank writes the bytes with ``os.write``
     of its own shards to one file and fsyncs it: the same bytes written by
     both ranks at once with no exchange, no headers, no Python per tensor.
 

@@ -77,10 +77,17 @@ def load(
 ) -> None:
     """(all ranks) Load ``path`` into ``state_dict`` in place with :class:`CheckpointReader`.
 
-    Args: as for :func:`save`; ``planner`` is a DCP ``LoadPlanner``, by default
-        :class:`~dcp_ext.planners.LayoutLoadPlanner` (DCP's default with clear
-        key/shape/dtype errors, and non-tensor values unpickled with
-        ``weights_only=True``); ``strict`` is passed to it.
+    The other arguments are as for :func:`save`.
+
+    Args:
+        state_dict: The state to fill, as for ``dcp.load`` (its tensors are
+            loaded in place, resharded to their layout).
+        path: Local path, ``s3://`` or fsspec URL of the checkpoint directory.
+        planner: A DCP ``LoadPlanner``; by default
+            :class:`~dcp_ext.planners.LayoutLoadPlanner` (DCP's default with
+            clear key/shape/dtype errors, and non-tensor values unpickled
+            with ``weights_only=True``).
+        strict: Passed to the default planner: refuse keys the checkpoint lacks.
     """
     reader = CheckpointReader(path, storage_options=storage_options, config=config, **io_options)
     if planner is None:

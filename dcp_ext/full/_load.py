@@ -101,7 +101,9 @@ class FullCheckpointReader(CheckpointReader):
             listed in :attr:`scales` (by state-dict key). ``dcp.load`` with
             this reader reads the FP8 values as stored; applying the scales
             is :func:`load_pretrained`'s job (``dequantize_fp8=True`` there).
-        storage_options, config, ...: As for :class:`CheckpointReader`.
+        storage_options: fsspec/s3fs options, as for :class:`~dcp_ext.CheckpointReader`.
+        config: I/O tunables, as for :class:`~dcp_ext.CheckpointReader`.
+        **io_options: The other keyword arguments of :class:`~dcp_ext.CheckpointReader`.
 
     Attributes:
         scales: With ``dequantize_fp8``, once the metadata is read: the

@@ -296,14 +296,14 @@ def export_hf(
     Args:
         source: The partial checkpoint directory (or any checkpoint
             :class:`~dcp_ext.CheckpointReader` reads).
-        path, max_shard_size, dtype, config_json, overwrite, process_group,
-            storage_options, config: As for :func:`save_hf`.
+        path: The folder to write; the other arguments are as for :func:`save_hf`.
 
     Returns:
         What this rank wrote.
 
     Raises:
-        As :func:`save_hf`; and the reader's errors for a missing or damaged source.
+        DcpExtError: As :func:`save_hf`, and the reader's errors for a
+            missing or damaged source.
         InvalidPathError: ``path`` is ``source`` or a folder inside it.
     """
     return write_partial(source, path, include_optimizer=include_optimizer, max_shard_size=max_shard_size,

@@ -70,6 +70,18 @@ PAGES: tuple[Page, ...] = (
         names=("load_pretrained", "PretrainedLoadReport", "FullCheckpointReader", "save_hf", "export_hf", "HFExportReport"),
     ),
     Page(
+        "frameworks",
+        "Framework hooks",
+        "Make stock `dcp.save` / `dcp.async_save` / `dcp.load` (and so torchtitan, Lightning or "
+        "Accelerate code that passes only `checkpoint_id`) use dcp_ext, and load a whole checkpoint "
+        "without a template. The framework adapters live in `dcp_ext.integrations`; see the "
+        "[framework guide](../guides/integrations.md).",
+        names=(
+            "use_for_dcp", "stop_using_for_dcp", "active_dcp_default", "DcpDefault", "load_whole",
+            "restore_optimizer_keys", "WholeStatePlanner", "KeyList", "UnsupportedTorchError",
+        ),
+    ),
+    Page(
         "integrity",
         "Verification and compaction",
         "Checking every stored byte of a checkpoint, and rewriting an incremental checkpoint so "

@@ -106,9 +106,18 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
     ``maybe_wait_for_saving`` / ``close``, as with the stock manager; rank 0
     alone deletes old checkpoints (``keep_latest_k``), in a background thread.
 
-    Args: those of torchtitan's ``CheckpointManager`` (``config``,
-        ``dataloader``, ``model_parts``, ``optimizers``, ``lr_schedulers``,
-        ``states``, ``sd_adapter``, ``base_folder``).
+    Args:
+        config: The checkpoint section, a :class:`DcpExtCheckpointManager.Config`
+            (torchtitan's fields plus ``storage_options``, ``compression``,
+            ``overwrite`` and ``verify_checksums``).
+        **kwargs: The other arguments of torchtitan's ``CheckpointManager``
+            (``dataloader``, ``model_parts``, ``optimizers``, ``lr_schedulers``,
+            ``states``, ``sd_adapter``, ``base_folder``), passed on unchanged.
+
+    Raises:
+        InvalidOptionError: A ``compression`` other than ``"zstd"`` or
+            ``None``, or ``storage_options`` that is not a dict (from the
+            config's own check).
     """
 
     purge_thread: threading.Thread | None

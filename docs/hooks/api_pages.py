@@ -31,6 +31,10 @@ class Page:
     names: tuple[str, ...] = ()
     module: str | None = None  # a public module rendered at the top of the page
     sections: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
+    #: Optional modules outside ``__all__`` (framework adapters), each rendered
+    #: whole with the members of its own ``__all__``; read from source, so the
+    #: frameworks they wrap need not be installed to build the site.
+    extra_modules: tuple[str, ...] = ()
 
 
 PAGES: tuple[Page, ...] = (
@@ -79,6 +83,19 @@ PAGES: tuple[Page, ...] = (
         names=(
             "use_for_dcp", "stop_using_for_dcp", "active_dcp_default", "DcpDefault", "load_whole",
             "restore_optimizer_keys", "WholeStatePlanner", "KeyList", "UnsupportedTorchError",
+        ),
+    ),
+    Page(
+        "integrations",
+        "Framework adapters",
+        "`dcp_ext.integrations`: torchtitan's checkpoint manager, Lightning's `CheckpointIO` and "
+        "`ModelParallelStrategy`, and Accelerate's FSDP save/load functions, saving and loading "
+        "through dcp_ext. Each module imports its framework, so import the one you use; install "
+        "with the extra of the same name (`pip install 'dcp-ext[lightning]'`). See the "
+        "[framework guide](../guides/integrations.md).",
+        extra_modules=(
+            "integrations.torchtitan", "integrations.lightning", "integrations.pytorch_lightning",
+            "integrations.accelerate",
         ),
     ),
     Page(
@@ -205,6 +222,14 @@ def build() -> dict[str, str]:
             if name in gone:
                 continue
             lines.append(_entry(f"{PACKAGE}.{name}"))
+        for module in page.extra_modules:
+            lines += [
+                f"::: {PACKAGE}.{module}",
+                "    options:",
+                "      show_root_heading: true",
+                "      heading_level: 2",
+                "",
+            ]
         out[f"api/{page.slug}.md"] = "\n".join(lines)
     # The index: every public name and module, with its page.
     index = [

@@ -339,14 +339,9 @@ def load_pretrained(
     metadata = reader.read_metadata()
     state = get_model_state_dict(model, options=StateDictOptions())
     available = set(metadata.state_dict_metadata)
-    missing = sorted(k for k in state if k not in available)
-    unexpected = sorted(k for k in available if k not in state)
-    if missing and strict:
-        raise CheckpointKeyError(
-            f"checkpoint {reader.source} lacks {len(missing)} key(s) of the model: {missing[:10]}"
-            f"{' ...' if len(missing) > 10 else ''}; pass strict=False to keep their current values, "
-            f"or key_map= to rename checkpoint keys"
-        )
+    missing, unexpected = _compare_keys(state, available, strict, f"checkpoint {reader.source} lacks",
+                                        "; pass strict=False to keep their current values, "
+                                        "or key_map= to rename checkpoint keys")
     wanted = {k: v for k, v in state.items() if k in available}
     quantized: dict[str, tuple[torch.Tensor, FP8Scale]] = {}  # the parameter, its scale
     for key, value in wanted.items():
@@ -413,13 +408,9 @@ def _load_translated(
     state = translate_state(whole, translate_function, reader.source)
     del whole
     model_keys = get_model_state_dict(model, options=StateDictOptions())
-    missing = sorted(k for k in model_keys if k not in state)
-    unexpected = sorted(k for k in state if k not in model_keys)
-    if missing and strict:
-        raise CheckpointKeyError(
-            f"translate_function of {reader.source} returns no tensor for {len(missing)} key(s) of the model: "
-            f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; pass strict=False to keep their current values"
-        )
+    missing, unexpected = _compare_keys(model_keys, set(state), strict,
+                                        f"translate_function of {reader.source} returns no tensor for",
+                                        "; pass strict=False to keep their current values")
     wanted = {k: v for k, v in state.items() if k in model_keys}
     for key, value in wanted.items():
         target: Any = model_keys[key]
@@ -436,3 +427,16 @@ def _load_translated(
         bytes_read=reader.store.stats.snapshot().bytes_read,
         dequantized=(),
     )
+
+
+def _compare_keys(model_keys: Any, available: set[str], strict: bool, lacks: str,
+                  advice: str) -> tuple[list[str], list[str]]:
+    """The model's keys ``available`` lacks and the ``available`` keys the
+    model lacks, both sorted; with ``strict``, the first list empty or
+    :class:`CheckpointKeyError` (``"{lacks} N key(s) of the model: [...]{advice}"``)."""
+    missing = sorted(k for k in model_keys if k not in available)
+    unexpected = sorted(k for k in available if k not in model_keys)
+    if missing and strict:
+        raise CheckpointKeyError(
+            f"{lacks} {len(missing)} key(s) of the model: {missing[:10]}{' ...' if len(missing) > 10 else ''}{advice}")
+    return missing, unexpected

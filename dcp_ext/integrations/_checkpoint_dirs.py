@@ -12,10 +12,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
+from dcp_ext._runtime import torch_notices_quieted
 from dcp_ext.config import IOConfig
 from dcp_ext.errors import DcpExtError, PostCommitError, unwrap_checkpoint_exception
 from dcp_ext.metadata import METADATA_FILE, TORCH_METADATA_FILE
@@ -88,27 +87,6 @@ def remove_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, A
         with contextlib.suppress(OSError):
             open_dir(join(path, name), storage_options).remove_root_if_empty()
     store.remove_root_if_empty()
-
-
-_SINGLE_PROCESS = r"torch\.distributed is (disabled, )?(unavailable|uninitialized)"
-
-
-def _not_metadata_fallback(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("Global metadata is not found")
-
-
-@contextlib.contextmanager
-def torch_notices_quieted() -> Iterator[None]:
-    """Drop torch's "single process" warning and its "Global metadata is not
-    found" log, which precede dcp_ext's own clear errors (as dcp_ext's API does)."""
-    root = logging.getLogger()  # torch.distributed.checkpoint logs there
-    root.addFilter(_not_metadata_fallback)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
-            yield
-    finally:
-        root.removeFilter(_not_metadata_fallback)
 
 
 def save_alone(state: dict[str, Any], writer: Any) -> Any:

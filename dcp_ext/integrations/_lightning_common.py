@@ -46,29 +46,8 @@ def _is_url(path: str) -> bool:
 
 
 class CheckpointIOMixin:
-    """A Lightning ``CheckpointIO`` that stores each checkpoint as a dcp_ext
-    checkpoint directory (local, ``s3://`` or any fsspec URL).
-
-    Lightning calls it on global rank 0 only to save and delete (its default
-    strategies: single device, DDP), and on every rank to load; no call is
-    collective: a save is a single-process ``dcp.save(no_dist=True)``, a load
-    is :func:`dcp_ext.whole_state.load_whole` on each rank.
-
-    The whole checkpoint dict is saved: tensors as DCP items (checksummed,
-    optionally compressed), everything else (loops, callbacks, hyper-
-    parameters) as DCP byte items. Loading needs no template and gives the
-    optimizer states their integer parameter keys back.
-
-    Args:
-        storage_options: fsspec/s3fs options for every call; a per-call
-            ``storage_options`` (``trainer.save_checkpoint(...,
-            storage_options=...)``) is merged on top.
-        compression: ``None`` or ``"zstd"`` (or a :class:`~dcp_ext.Codec`).
-        overwrite: Replace an existing checkpoint of the same name (on by
-            default: ``ModelCheckpoint(save_last=True)`` saves ``last.ckpt``
-            again and again, as ``TorchCheckpointIO`` allows).
-        **writer_options: More :class:`~dcp_ext.CheckpointWriter` arguments.
-    """
+    """What ``DcpExtCheckpointIO`` does, for both Lightning namespaces (documented in
+    :mod:`dcp_ext.integrations.lightning`)."""
 
     def __init__(self, storage_options: dict[str, Any] | None = None, compression: Any = None,
                  overwrite: bool = True, **writer_options: Any) -> None:
@@ -154,30 +133,8 @@ def _map_tensors(value: Any, device: torch.device) -> Any:
 
 
 class ModelParallelMixin:
-    """Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel) saving
-    and loading its distributed checkpoints through dcp_ext.
-
-    The stock strategy ignores ``CheckpointIO`` for distributed checkpoints
-    and runs the path through ``pathlib.Path``, so ``s3://bucket/x`` becomes
-    the local directory ``./s3:/bucket/x``. This one keeps the path a string
-    and writes Lightning's layout with dcp_ext: the DCP shards of
-    ``state_dict`` and ``optimizer_{i}`` (every rank writes its own), and the
-    rest of the checkpoint in ``meta.pt`` beside them, written by the
-    coordinator before the commit, so a checkpoint is complete or absent.
-    Checkpoints are interchangeable with the stock strategy's (uncompressed
-    ones both ways; torch's reader cannot read compressed ones).
-
-    ``save_distributed_checkpoint=False`` (a single full file assembled on
-    rank 0) is the stock strategy's, on local paths only.
-
-    Args:
-        storage_options: fsspec/s3fs options; a per-call ``storage_options``
-            (``trainer.save_checkpoint(..., storage_options=...)``) is merged on top.
-        compression: ``None`` or ``"zstd"`` (or a :class:`~dcp_ext.Codec`).
-        overwrite: Replace an existing checkpoint of the same name (default).
-        *args, **kwargs: The stock strategy's (``data_parallel_size``,
-            ``tensor_parallel_size``, ``save_distributed_checkpoint``...).
-    """
+    """What ``DcpExtModelParallelStrategy`` does, for both Lightning namespaces (documented in
+    :mod:`dcp_ext.integrations.lightning`)."""
 
     def __init__(self, *args: Any, storage_options: dict[str, Any] | None = None, compression: Any = None,
                  overwrite: bool = True, **kwargs: Any) -> None:

@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from .._runtime import GroupView, crash_point, validate_relative_name
-from ..errors import CheckpointNotFoundError, DcpExtError
+from ..errors import DcpExtError
 from ..guard import Lease, SaveLock
 from ..layout import PARTITION_FILE, Partition
 from ..metadata import METADATA_FILE, TORCH_METADATA_FILE, decode_metadata, read_created, torch_reader_marker
@@ -20,7 +20,7 @@ from ._incremental_drain import (
     rewrite_files,
     root_document,
 )
-from ._local_tier import COMMIT_FILES, LocalTier, raise_if_any, write_commit_files
+from ._local_tier import LocalTier, raise_if_any, read_commit_files, write_commit_files
 
 __all__ = ["drain", "copy_file"]
 
@@ -117,13 +117,7 @@ def drain(
         crash_point("before_drain_commit")
 
         def commit() -> None:
-            files = {}
-            for name in (*COMMIT_FILES, METADATA_FILE):
-                try:
-                    files[name] = local.read_file(name)
-                except CheckpointNotFoundError:
-                    if name == METADATA_FILE:
-                        raise
+            files = read_commit_files(local)
             if base.tag is not None:
                 # The root's copy refers to the base's files: its own document, and
                 # torch's marker instead of the local .metadata (which describes the

@@ -53,7 +53,7 @@ from ..storage import Store
 from ._replicas import Transfer, replica_transfers, send_files
 from ._restore_plan import LocalTagState, NodeInventory, RestorePlan, is_replicated_file
 
-__all__ = ["LocalTier", "COMMIT_FILES", "raise_if_any", "write_commit_files"]
+__all__ = ["LocalTier", "COMMIT_FILES", "raise_if_any", "read_commit_files", "write_commit_files"]
 
 log = logging.getLogger("dcp_ext.tiers")
 
@@ -136,14 +136,7 @@ class LocalTier:
         node could not write them."""
         payload: dict[str, bytes] | None = None
         if self.group.is_coordinator:
-            store = self.checkpoints.partial_store(tag)
-            payload = {}
-            for name in (*COMMIT_FILES, METADATA_FILE):
-                try:
-                    payload[name] = store.read_file(name)
-                except CheckpointNotFoundError:
-                    if name == METADATA_FILE:
-                        raise
+            payload = read_commit_files(self.checkpoints.partial_store(tag))
         payload = self.group.broadcast(payload)
         assert payload is not None
         error: str | None = None
@@ -232,13 +225,7 @@ class LocalTier:
         source = min(plan.local_nodes)
         payload = None
         if self.is_leader and self.node == source:
-            payload = {}
-            for name in (*COMMIT_FILES, METADATA_FILE):
-                try:
-                    payload[name] = store.read_file(name)
-                except CheckpointNotFoundError:
-                    if name == METADATA_FILE:
-                        raise
+            payload = read_commit_files(store)
         files = next(p for p in self.group.all_gather(payload) if p is not None)
         error = None
         if self.is_leader and self.node in plan.healed_nodes:
@@ -295,6 +282,20 @@ def _tree_bytes(path: str) -> int:
             except OSError:
                 pass  # removed meanwhile
     return total
+
+
+def read_commit_files(store: Store) -> dict[str, bytes]:
+    """A committed checkpoint's small files in ``store``, by name: dcp_ext's
+    metadata (required: :class:`CheckpointNotFoundError` without it) and
+    whichever of the other commit files it has."""
+    files: dict[str, bytes] = {}
+    for name in (*COMMIT_FILES, METADATA_FILE):
+        try:
+            files[name] = store.read_file(name)
+        except CheckpointNotFoundError:
+            if name == METADATA_FILE:
+                raise
+    return files
 
 
 def write_commit_files(store: Store, files: dict[str, bytes]) -> None:

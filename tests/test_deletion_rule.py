@@ -24,6 +24,7 @@ from torch import nn
 
 import dcp_ext
 from dcp_ext.errors import CheckpointInUseError, ForeignCheckpointError
+from dcp_ext.guard._save_lock import _process_stat
 from dcp_ext.layout import InvalidTagError
 from dcp_ext.layout import RETIRED_FILE, strays_marker
 from tests.support.backends import Backend, backend_for
@@ -213,8 +214,24 @@ def test_failed_save_is_cleaned_up_by_the_next_one(tmp_path: Path) -> None:
     # A deleter killed while linking its lock into place in a committed directory.
     dead = {"save_id": "d", "started": time.time(), "host": socket.gethostname(), "pid": 1, "pid_start": 0}
     (root / "ok_partial" / ".dcp_ext.saving.dcp_ext-tmp-0123456789ab").write_text(json.dumps(dead))
-    manager.save("ok2", nn.Linear(4, 4))
+    # A save killed between writing its lock record and linking it into place
+    # (bench.torture --incremental, 2026-11-27: this directory stayed for the
+    # rest of the run); and one that is doing so now, in this process.
+    killed = root / "killed_partial"
+    killed.mkdir()
+    (killed / ".dcp_ext.saving.dcp_ext-tmp-0123456789ab").write_text(json.dumps(dead))
+    racing = root / "racing_partial"
+    racing.mkdir()
+    other = subprocess.Popen(["sleep", "120"])  # another process on this host, alive
+    alive = {**dead, "pid": other.pid, "pid_start": _process_stat(other.pid)[1]}
+    (racing / ".dcp_ext.saving.dcp_ext-tmp-0123456789ab").write_text(json.dumps(alive))
+    try:
+        manager.save("ok2", nn.Linear(4, 4))
+    finally:
+        other.kill()
+        other.wait()
     assert not failed.exists() and (foreign / "data.distcp").exists()
+    assert not killed.exists() and (racing / ".dcp_ext.saving.dcp_ext-tmp-0123456789ab").exists()
     assert sorted(p.name for p in (root / "ok_partial").iterdir() if p.name.startswith(".")) == [".metadata"]
     manager.close()
 

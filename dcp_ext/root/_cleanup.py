@@ -137,7 +137,10 @@ class LeftoverCleanup:
         state = lock_state(store)
         if state is not None:
             return None if state.live else "crashed"
-        return None if store.list_tree() else "empty"
+        names = store.list_tree()
+        if names and all(_is_dead_lock_temporary(store, name) for name in names):
+            return "crashed"  # killed between writing its lock record and linking it into place
+        return None if names else "empty"
 
     def sweep(self, candidates: dict[str, str], markers: dict[str, str]) -> LeftoverReport:
         """Lock the leftover ``candidates`` (tag -> kind) and the directories
@@ -215,10 +218,16 @@ def _remove_dead_lock_temporaries(store: Store) -> None:
     conditional PUT and leave none."""
     if store.kind != "local":
         return
-    prefix = LOCK_FILE + TMP_MARK
     for name in store.list_names():
-        if name.startswith(prefix):
-            state = file_state(store, name)
-            if state is not None and not state.live:
-                log.info("removing %s: %s", store.describe(name), state.reason)
-                store.delete(name)
+        if _is_dead_lock_temporary(store, name):
+            log.info("removing %s: a lock temporary whose writer is gone", store.describe(name))
+            store.delete(name)
+
+
+def _is_dead_lock_temporary(store: Store, name: str) -> bool:
+    """``name`` is the temporary file of a save lock (local file systems)
+    whose writer, by the lock rule, is gone."""
+    if store.kind != "local" or not name.startswith(LOCK_FILE + TMP_MARK):
+        return False
+    state = file_state(store, name)
+    return state is not None and not state.live

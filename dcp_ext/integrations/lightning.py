@@ -95,6 +95,7 @@ class DcpExtModelParallelStrategy(ModelParallelMixin, ModelParallelStrategy):
             (``trainer.save_checkpoint(..., storage_options=...)``) is merged on top.
         compression: ``None`` or ``"zstd"`` (or a :class:`~dcp_ext.Codec`).
         overwrite: Replace an existing checkpoint of the same name (default).
-        *args, **kwargs: The stock strategy's (``data_parallel_size``,
+        *args: The stock strategy's positional arguments.
+        **kwargs: The stock strategy's keyword arguments (``data_parallel_size``,
             ``tensor_parallel_size``, ``save_distributed_checkpoint``...).
     """

@@ -61,6 +61,11 @@ class DcpExtCheckpointIO(CheckpointIOMixin, CheckpointIO):
     parameters) as DCP byte items. Loading needs no template and gives the
     optimizer states their integer parameter keys back.
 
+    ``LightningModule.load_from_checkpoint(path)`` opens ``path`` with
+    ``torch.load`` itself (not through the plug-in) and fails on these
+    directories; load ``dcp_ext.load_whole(path)["state_dict"]`` into the
+    module instead.
+
     Args:
         storage_options: fsspec/s3fs options for every call; a per-call
             ``storage_options`` (``trainer.save_checkpoint(...,

@@ -220,6 +220,8 @@ def _torture(run: Run, ctx: Context) -> str:
         f"({r['committed_despite_kill']} after their commit), {len(r['violations'])} violations**"
         + (f"; {r['referring_saves']} committed saves referring to earlier files, "
            f"{r['retired_seen']} trials leaving a retired directory" if "referring_saves" in r else "")
+        + ("; beside the jobs: " + ", ".join(f"{n} {what}" for what, n in r["beside"].items())
+           + f", {r.get('compactions_refused', 0)} compactions refused" if "beside" in r else "")
         + ".",
         "",
     ]
@@ -295,6 +297,8 @@ SUITES: tuple[Suite, ...] = (
           _q("torture"), "benchmarks/trials.md", _torture),
     Suite("torture-incremental", "Crash trials, incremental saves", "python -m bench.torture --incremental",
           _q("torture-incremental"), "benchmarks/trials.md", _torture),
+    Suite("torture-concurrent", "Crash trials, a second process on the root", "python -m bench.torture --concurrent",
+          _q("torture-concurrent"), "benchmarks/trials.md", _torture),
     Suite("damage", "Damage trials", "python -m bench.damage",
           _q("damage"), "benchmarks/trials.md", _damage),
 )

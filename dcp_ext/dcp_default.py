@@ -94,8 +94,15 @@ class _Settings:
 class DcpDefault:
     """One active :func:`use_for_dcp` call: a context manager, or undo it with :meth:`off`.
 
+    Made by :func:`use_for_dcp` only (its ``settings`` are that call's).
+
+    Args:
+        settings: The settings of the :func:`use_for_dcp` call.
+
     Attributes:
-        storage_options, compression, overwrite: What it was called with.
+        storage_options: As given to :func:`use_for_dcp`.
+        compression: As given to :func:`use_for_dcp`.
+        overwrite: As given to :func:`use_for_dcp`.
     """
 
     def __init__(self, settings: _Settings) -> None:

@@ -174,6 +174,10 @@ def restore_optimizer_keys(state: Any) -> Any:
     mapping) becomes ``{}``. Applied at every depth (Lightning keeps a list of
     optimizer states).
 
+    Args:
+        state: A (nested) state dict loaded without a template, e.g. by
+            ``dcp.load`` with :class:`WholeStatePlanner`; changed in place.
+
     Returns:
         ``state`` itself.
     """

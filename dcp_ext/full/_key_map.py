@@ -36,6 +36,13 @@ __all__ = ["KeyList", "KeyMap", "TranslateFunction", "rename_keys", "translate_s
 class KeyList:
     """A ``key_map`` given the list of all keys at once (SageMaker's key-list form).
 
+    ``load_pretrained(model, path, key_map=KeyList(fn))`` calls ``fn`` once
+    with every key of the checkpoint; unlike ``translate_function`` it only
+    renames, so each rank still reads only its slices.
+
+    Args:
+        function: ``[all keys] -> {old key: new key or None}`` (keys absent keep their name).
+
     Attributes:
         function: ``[all keys] -> {old key: new key or None}`` (keys absent keep their name).
     """

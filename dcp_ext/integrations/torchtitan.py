@@ -14,10 +14,10 @@ three things changed:
   only the keys torchtitan asks for are read (a model-only load of a full
   checkpoint reads no optimizer byte);
 * the step to resume is the highest ``step-N`` directory holding a commit
-  marker: dcp_ext's ``dcp_ext.metadata.json`` (every dcp_ext checkpoint,
-  compressed ones included, which have no torch ``.metadata``: stock
-  torchtitan silently starts from step 0 on those), torch's ``.metadata``, or
-  a Hugging Face index. Listing, existence checks and ``keep_latest_k``
+  marker: dcp_ext's ``dcp_ext.metadata.json``, torch's ``.metadata`` (which
+  every dcp_ext checkpoint also has, as a marker in compressed ones; before
+  that marker, stock torchtitan silently started from step 0 on compressed
+  checkpoints), or a Hugging Face index. Listing, existence checks and ``keep_latest_k``
   deletion use dcp_ext's stores with ``storage_options``, so an S3 endpoint
   that needs options works (torchtitan's own helpers call fsspec without
   any).

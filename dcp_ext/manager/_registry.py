@@ -37,6 +37,15 @@ def register_model(model: nn.Module | None, optimizer: torch.optim.Optimizer | N
     Call it on every rank after the model is wrapped/sharded as it will be
     trained. A later call replaces the registration; ``register_model(None)``
     clears it.
+
+    Args:
+        model: The model the checkpoint calls save and load when they are
+            given none, or ``None`` to clear the registration.
+        optimizer: Its optimizer, saved and loaded with it.
+
+    Raises:
+        ValueError: An optimizer without a model.
+        TypeError: ``model`` is not a ``torch.nn.Module``.
     """
     global _registered
     if model is None and optimizer is not None:

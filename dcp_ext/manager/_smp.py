@@ -58,6 +58,32 @@ def save_checkpoint(
     flight (two saves must never run DCP's collectives at once) and
     asynchronous saves reuse its staging buffers. :func:`close_checkpoints`
     waits for them and frees the buffers.
+
+    Args:
+        path: The checkpoint root: local path, ``s3://`` or fsspec URL.
+        tag: The checkpoint's name (``{tag}_partial/`` for a partial save).
+        model: The model; by default the registered one.
+        optimizer: Its optimizer; by default the registered one's.
+        user_content: JSON-able data or tensors saved with the checkpoint and
+            returned by :func:`resume_from_checkpoint`.
+        partial: ``True``: each rank writes its shards (``{tag}_partial/``);
+            ``False``: one full checkpoint for inference or fine-tuning.
+        num_kept_partial_checkpoints: Keep only this many newest partial
+            checkpoints (SageMaker's retention).
+        async_save: Return at once with a handle; the save runs in the background.
+        storage_options: fsspec/s3fs options (S3 endpoint, credentials...).
+        translate_if_full: Full saves: apply ``translate_function``.
+        translate_function: Full saves: ``{key: tensor} -> {key: tensor}``.
+        **kwargs: The manager and save arguments listed above.
+
+    Returns:
+        The asynchronous save's handle, or ``None`` for a synchronous save.
+
+    Raises:
+        CheckpointExistsError: ``tag`` is committed and ``overwrite`` is not set.
+        CheckpointInUseError: The save would rewrite files another tag refers to.
+        InvalidTagError: ``tag`` is not a valid checkpoint name.
+        DcpExtError: Storage and checkpoint errors, as for :meth:`CheckpointManager.save`.
     """
     manager_args = {
         k: kwargs.pop(k) for k in _MANAGER_ARGS if k in kwargs
@@ -129,8 +155,30 @@ def resume_from_checkpoint(
     rank always reads its shard, resharded); ``translate_function`` /
     ``key_map`` rename keys of full checkpoints.
 
+    Args:
+        path: The checkpoint root (or, with ``partial=False``, the folder of a
+            full checkpoint or Hugging Face model).
+        model: The model to load into; by default the registered one.
+        optimizer: Its optimizer; by default the registered one's.
+        tag: The checkpoint to load; by default the one ``newest`` names (or
+            the newest committed one).
+        partial: Load a partial checkpoint (``True``) or a full one.
+        strict: Refuse a checkpoint that lacks keys of the model.
+        storage_options: fsspec/s3fs options (S3 endpoint, credentials...).
+        allow_dtype_cast: Load tensors stored in another dtype, cast.
+        load_optimizer: Also load the optimizer (``False``: the model only).
+        load_sharded_optimizer_state: Accepted for SageMaker's API; no effect.
+        translate_function: Full loads: ``{key: tensor} -> {key: tensor}``.
+        key_map: Full loads: rename keys without reading whole tensors.
+        **kwargs: :class:`CheckpointManager` arguments.
+
     Returns:
         The tag loaded and its ``user_content``.
+
+    Raises:
+        CheckpointNotFoundError: No committed checkpoint (or no ``tag``) at ``path``.
+        CheckpointKeyError: With ``strict``, the checkpoint lacks keys of the model.
+        DcpExtError: Storage and checkpoint errors, as for :meth:`CheckpointManager.resume`.
     """
     manager = CheckpointManager(path, storage_options=storage_options, **kwargs)
     return manager.resume(

@@ -268,6 +268,16 @@ def verify_full(
     ``unchecked_items``; their file must still hold every tensor its header
     lists.
 
+    Args:
+        path: The full checkpoint: a ``.safetensors`` file, a Hugging Face
+            folder, or a ``torch.save`` file; local path, ``s3://`` or fsspec URL.
+        storage_options: fsspec/s3fs options (S3 endpoint, credentials...).
+        config: I/O tunables; by default from the ``DCP_EXT_*`` environment.
+        progress: Called as ``progress(bytes_checked, bytes_total)`` as the check goes.
+
+    Returns:
+        What was checked and every problem found.
+
     Raises:
         CheckpointNotFoundError, NotACheckpointError: No full checkpoint at ``path``.
         CheckpointCorruptError: Its header, index or sidecar is damaged, or a

@@ -54,12 +54,15 @@ the save's return (``trainer.save_checkpoint`` ends in a barrier, torchtitan's
 optimizer, the same for every framework system) per second. S3 is SeaweedFS
 on 127.0.0.1 (``bench.harness.storage``), as in the main table.
 
-After each local round, what both writers of a framework pay for its state
-is timed apart: the framework building the state dict it hands DCP, and
-``dcp.save`` of that state dict through a writer that resolves every item
-and stores nothing (DCP's planning, collectives, pickling, metadata). Its
-share of a dcp_ext save says how much of the writer's advantage a framework
-save can show.
+After each local round, what a save of a framework's state pays whatever it
+stores is timed apart: the framework building the state dict it hands DCP,
+and ``dcp.save`` of that state dict through a writer that resolves every item
+and stores nothing (DCP's planning, collectives, pickling, metadata), once
+with DCP's default planner (what the stock saves pay) and once with the
+planner dcp_ext's adapters use (``LayoutSavePlanner`` with DCP's plan
+caching: from the second save of an unchanged structure on, no rank sends
+its plan and the coordinator plans nothing). The first one's share of a
+dcp_ext save says how much of a framework save no writer can speed up.
 
 Results: ``bench/results/frameworks-<date>.json`` and the ``frameworks`` block
 of bench/README.md.
@@ -99,6 +102,8 @@ PAIRS = [
 ]
 #: The main table's target ids whose ratios these rows are held against.
 MAIN_TARGETS = {"local": "local_save_torch", "s3": "s3_save_fsspec"}
+#: The plan-cache name each framework's dcp_ext adapter plans under (``dcp_ext.integrations._planning``).
+ADAPTER_PLANS = {"torchtitan": "torchtitan", "lightning": "lightning"}
 
 
 # -- the model (each rank) ------------------------------------------------------------------
@@ -475,6 +480,7 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
 
     from bench.harness.state import DTYPE, NON_TENSOR, make_spec
     from bench.harness.systems import Ctx, DcpExt, TorchFileSystem, TorchFsspec
+    from dcp_ext.integrations._planning import save_planner
     from tests.support.torchtitan_workers import TrainState
 
     options = cfg["options"]
@@ -528,7 +534,7 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
         record: dict[str, Any] = {
             "systems": [{"name": s.name, "framework": s.framework, "label": s.label, "settings": s.settings,
                          "bytes": nbytes[s.name]} for s in found],
-            "seconds": {s.name: [] for s in found}, "order": [], "stored": {}, "files": {}, "prep": {}, "null": {},
+            "seconds": {s.name: [] for s in found}, "order": [], "stored": {}, "files": {}, "prep": {}, "null": {}, "null_adapter": {},
             "items": {},
         }
         # One system per framework: its own share of a save is the same for stock and dcp_ext.
@@ -566,6 +572,12 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
                 dcp.save(state, storage_writer=writer)
                 record["null"].setdefault(framework, []).append(_slowest(time.perf_counter() - start))
                 record["items"][framework] = {k: _summed(v) for k, v in writer.items.items()}
+                if framework in ADAPTER_PLANS:
+                    # The same, planned as dcp_ext's adapters plan (their plan cache warm from their saves).
+                    _settle(rank, False)
+                    start = time.perf_counter()
+                    dcp.save(state, storage_writer=_null_writer(), planner=save_planner(ADAPTER_PLANS[framework]))
+                    record["null_adapter"].setdefault(framework, []).append(_slowest(time.perf_counter() - start))
                 del state
         out["kinds"][kind] = record
     dist.barrier()
@@ -620,8 +632,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"rows": {}, "ratios": {}, "fixed": {}}
     for kind, rec in result["kinds"].items():
         for fw, secs in rec.get("prep", {}).items():
+            adapter = rec.get("null_adapter", {}).get(fw)
             out["fixed"][fw] = {"prep_s": med(secs), "null_save_s": med(rec["null"][fw]),
-                                "items": rec["items"].get(fw)}
+                                "null_adapter_s": med(adapter) if adapter else None, "items": rec["items"].get(fw)}
         rows = out["rows"].setdefault(kind, {})
         for meta in rec["systems"]:
             secs = rec["seconds"][meta["name"]]
@@ -635,7 +648,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                 a, b = rec["seconds"][ours], rec["seconds"][default]
                 entry = {"default": default, "ratio": med(b) / med(a), "paired": med(y / x for x, y in zip(a, b))}
                 fixed = out["fixed"].get(rows[ours]["framework"])
-                if fixed:  # what both pay whatever they store: its share of the dcp_ext save
+                if fixed:  # what the stock save pays whatever it stores: its share of the dcp_ext save
                     entry["common_s"] = fixed["prep_s"] + fixed["null_save_s"]
                     entry["common_share"] = entry["common_s"] / med(a)
                 out["ratios"].setdefault(kind, {})[ours] = entry
@@ -672,8 +685,9 @@ def render(record: dict[str, Any]) -> str:
     main_head = f"main table `{main['file']}`, 2 ranks" if main else "main table"
     lines += [
         "",
-        f"| storage | dcp_ext / default (save throughput) | this run: ratio [paired] | what both pay (table "
-        f"below), share of the dcp_ext save | plain DCP, this run | {main_head} | ≥ main table? |",
+        f"| storage | dcp_ext / default (save throughput) | this run: ratio [paired] | what the stock save pays "
+        f"storing nothing (table below), share of the dcp_ext save | plain DCP, this run | {main_head} | "
+        f"≥ main table? |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for kind, ratios in s["ratios"].items():
@@ -691,17 +705,21 @@ def render(record: dict[str, Any]) -> str:
     if s["fixed"]:
         built = {"torchtitan": " (flatten + each `Stateful`'s `state_dict` + `gc.collect(1)`)",
                  "lightning": " (`dump_checkpoint`)", "dcp": ""}
-        lines += ["", "What both writers pay for the same state (measured in the local rounds, median, slower "
-                  "rank): the framework building the state dict it hands DCP, and `dcp.save` of it through a "
-                  "writer that resolves every item (pickling non-tensors) and stores nothing (planning, "
-                  "collectives, metadata).", "",
+        lines += ["", "What a save of the same state pays whatever it stores (measured in the local rounds, "
+                  "median, slower rank): the framework building the state dict it hands DCP, and `dcp.save` of "
+                  "it through a writer that resolves every item (pickling non-tensors) and stores nothing "
+                  "(planning, collectives, metadata), with DCP's default planner (the stock saves) and with the "
+                  "planner dcp_ext's adapters use (`LayoutSavePlanner` with DCP's plan caching, warm from their "
+                  "saves: an unchanged plan is neither sent nor planned again).", "",
                   "| state | DCP write items (all ranks): tensors / other values | built by the framework, s | "
-                  "`dcp.save` storing nothing, s |", "|---|---:|---:|---:|"]
+                  "`dcp.save` storing nothing, DCP's default planner, s | the same, dcp_ext adapters' planner, s |",
+                  "|---|---:|---:|---:|---:|"]
         names = {"torchtitan": "torchtitan", "lightning": "Lightning", "dcp": "plain DCP (model only)"}
         for fw, f in s["fixed"].items():
             items = f["items"] or {}
             lines.append(f"| {names.get(fw, fw)} | {items.get('tensors', '?'):,} / {items.get('other', '?'):,} | "
-                         f"{f['prep_s']:.2f}{built.get(fw, '')} | {f['null_save_s']:.2f} |")
+                         f"{f['prep_s']:.2f}{built.get(fw, '')} | {f['null_save_s']:.2f} | "
+                         + (f"{f['null_adapter_s']:.2f} |" if f.get("null_adapter_s") is not None else "– |"))
     return "\n".join(lines)
 
 

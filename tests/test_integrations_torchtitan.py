@@ -40,4 +40,8 @@ def test_torchtitan_checkpoint_manager(make_backend, tmp_path) -> None:
     assert "dcp_ext.metadata.json" in listings["s3_markers"], listings
     # Written by dcp_ext, compressed, with torch's commit marker that stock torchtitan resumes by.
     assert {"dcp_ext.metadata.json", ".metadata"} <= set(listings["use_for_dcp_markers"]), listings
+    # Planned by LayoutSavePlanner (with plan caching: steps 4 and 6 reused step 2's plan, and the
+    # resumes above are bit-exact): files named by kind and rank, which torch's reader still loads.
+    assert listings["ours_data_files"] == [f"{kind}_rank{r}.distcp" for kind in ("optimizer", "state")
+                                           for r in (0, 1)], listings
 

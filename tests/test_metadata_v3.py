@@ -278,4 +278,9 @@ def test_plan_caching_saves_and_loads(tmp_path: Path) -> None:
     gathered = reports[0]["gathered"]
     # first save: every item; unchanged: none; a new key: every item again; unchanged: none
     assert gathered[0] > 0 and gathered[1] == 0 and gathered[2] > gathered[0] and gathered[3] == 0, gathered
+    # Named caches, two states in turn: named "a"/"b", the second round plans nothing; one shared name
+    # plans every save again (each one replaced the other's plan). Every save loads back bit-exact.
+    named = reports[0]["named"]
+    assert all(same for _, same in named), named
+    assert [n > 0 for n, _ in named] == [True, True, False, False, True, True, True, True], named
     assert [r["stock_metadata_reads"] for r in reports] == [1, 1]

@@ -22,6 +22,7 @@ from dcp_ext.errors import CheckpointNotFoundError, InvalidOptionError, InvalidP
 from dcp_ext.whole_state import load_whole
 
 from . import _checkpoint_dirs as dirs
+from ._planning import save_planner
 
 __all__ = ["CheckpointIOMixin", "ModelParallelMixin", "META_FILE"]
 
@@ -170,7 +171,7 @@ class ModelParallelMixin:
         meta = buffer.getvalue()
         dcp_ext.save(state, path, storage_options=_options(self.storage_options, storage_options),
                      overwrite=self.overwrite, compression=self.compression,
-                     before_commit=_MetaWriter(meta))
+                     before_commit=_MetaWriter(meta), planner=save_planner("lightning"))
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str],
                         weights_only: bool | None = None) -> dict[str, Any]:

@@ -96,6 +96,7 @@ import dcp_ext
 from dcp_ext.errors import InvalidOptionError
 
 from . import _checkpoint_dirs as dirs
+from ._planning import save_planner
 
 __all__ = ["save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer",
            "MODEL_DIR", "OPTIMIZER_DIR"]
@@ -158,7 +159,8 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: 
 
     path = _dir(root, MODEL_DIR, model_index)
     state = {"model": get_model_state_dict(model, options=_sd_options(fsdp_plugin))}
-    dcp_ext.save(state, path, storage_options=storage_options, compression=compression, overwrite=overwrite)
+    dcp_ext.save(state, path, storage_options=storage_options, compression=compression, overwrite=overwrite,
+                 planner=save_planner("accelerate.model"))
     return path
 
 
@@ -208,7 +210,8 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
 
     path = _dir(root, OPTIMIZER_DIR, optimizer_index)
     state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=_sd_options(fsdp_plugin))}
-    dcp_ext.save(state, path, storage_options=storage_options, compression=compression, overwrite=overwrite)
+    dcp_ext.save(state, path, storage_options=storage_options, compression=compression, overwrite=overwrite,
+                 planner=save_planner("accelerate.optimizer"))
     return path
 
 

@@ -93,6 +93,7 @@ import dcp_ext
 from dcp_ext.errors import InvalidOptionError
 
 from . import _checkpoint_dirs as dirs
+from ._planning import save_planner
 
 __all__ = ["DcpExtCheckpointManager"]
 
@@ -201,11 +202,13 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         ret: Any = None
         if async_mode == AsyncMode.ASYNC:
             # The writer stages (a blocking copy) and a thread uploads.
-            ret = async_save(state_dict, storage_writer=self._writer(checkpoint_id), process_group=self.pg)
+            ret = async_save(state_dict, storage_writer=self._writer(checkpoint_id), process_group=self.pg,
+                             planner=save_planner("torchtitan"))
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             ret = async_save(
                 state_dict,
                 storage_writer=self._writer(checkpoint_id),
+                planner=save_planner("torchtitan"),
                 process_group=self.pg,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 async_stager=self.stager,
@@ -213,7 +216,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         else:
             self._saving = checkpoint_id
             dcp_ext.save(state_dict, checkpoint_id, storage_options=self.storage_options,
-                         overwrite=self.overwrite, compression=self.compression)
+                         overwrite=self.overwrite, compression=self.compression, planner=save_planner("torchtitan"))
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret

@@ -68,6 +68,10 @@ class LayoutSavePlanner(DefaultSavePlanner):
             coordinator reuses its previous global plan and metadata (with
             thousands of ranks, most of a save's planning). Off by default,
             as in DCP.
+        plan_cache_name: Keeps this planner's cached plans apart from those of
+            planners with another name (in the same process, world and
+            layout), so that two states saved in turn (a model and its
+            optimizer, say) each find their own previous plan.
 
     Attributes:
         partition: The partition decision (on the coordinator, after planning).
@@ -89,6 +93,7 @@ class LayoutSavePlanner(DefaultSavePlanner):
         replicated_apart: bool = False,
         key_prefixes: int = 0,
         enable_plan_caching: bool = False,
+        plan_cache_name: str = "",
     ) -> None:
         super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=enable_plan_caching)
         self.gathered_items = 0
@@ -97,6 +102,7 @@ class LayoutSavePlanner(DefaultSavePlanner):
         self.nodes, self.partners = tuple(nodes), tuple(partners)
         self.replicated_apart = replicated_apart
         self.key_prefixes = key_prefixes
+        self.plan_cache_name = plan_cache_name
         self.partition: Partition | None = None
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -127,6 +133,7 @@ class LayoutSavePlanner(DefaultSavePlanner):
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self._cached_plans_key = (
             f"{type(self).__name__}/{world}/{self.mesh}/{self.global_ranks}/{self.replicated_apart}/{self.key_prefixes}"
+            f"/{self.plan_cache_name}"
         )
 
     def create_local_plan(self) -> SavePlan:

@@ -54,6 +54,21 @@ def plan_caching_world(rank: int, world_size: int, root: str) -> dict[str, Any]:
         back = _zeros(state)
         dcp_ext.load(back, f"{root}/s{k}")
         out["same"].append(_same(state, back))
+    # Two states saved in turn (a model, then its optimizer-like other state), each planner named
+    # after its state: from the second round on each finds its own previous plan. With one shared
+    # name (the last pair) each save replaces the other's cache and plans again.
+    out["named"] = []
+    for k, (name_a, name_b) in enumerate((("a", "b"), ("a", "b"), ("", ""), ("", ""))):
+        for name, extra in ((name_a, False), (name_b, True)):
+            state = _state(10 + k, extra)
+            planner = LayoutSavePlanner(enable_plan_caching=True, plan_cache_name=name)
+            dcp.save(state, storage_writer=CheckpointWriter(f"{root}/n{k}{name or 'x'}{int(extra)}"), planner=planner)
+            back = _zeros(state)
+            dcp_ext.load(back, f"{root}/n{k}{name or 'x'}{int(extra)}")
+            if rank == 0:
+                out["named"].append((planner.gathered_items, _same(state, back)))
+            else:
+                assert _same(state, back)
     # Stock dcp.load: every rank reads the metadata itself (only dcp_ext's
     # loads, which know every rank reads it, share the coordinator's copy).
     reader = CheckpointReader(f"{root}/s0")

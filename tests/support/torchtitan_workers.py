@@ -163,6 +163,8 @@ def torchtitan_suite(rank: int, world_size: int, local_root: str, s3_root: str,
         out["listings"] = {
             "zstd": dirs.child_dirs(os.path.join(local_root, "zstd")),
             "use_for_dcp_markers": sorted(os.listdir(os.path.join(local_root, "use", "step-6"))),
+            "ours_data_files": sorted(n for n in os.listdir(os.path.join(local_root, "ours", "step-6"))
+                                      if n.endswith(".distcp")),
             "s3": dirs.child_dirs(f"{s3_root}/async", storage_options),
             "s3_markers": sorted(n for n in dirs.open_dir(f"{s3_root}/async/step-6", storage_options).list_names()
                                  if not n.endswith(".distcp")),

@@ -75,33 +75,22 @@ import datetime
 import gc
 import json
 import os
-import re
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.frameworks_report import PAIRS, main_table_ratios, newest_main_table, render, summarize
+from bench.frameworks_report import MAIN_TARGETS  # noqa: F401 - re-exported: the suite's constants stay importable from here
 from bench.harness.machine import machine_info
 from bench.harness.report import publish
 from bench.harness.storage import storage
 from dcp_ext.config import parse_size
 
-MiB = 1 << 20
-BENCH = Path(__file__).resolve().parent
 _DROP_CACHES = "/proc/sys/vm/drop_caches"
-#: (dcp_ext system, its default): the rows of the ratio table, in order.
-PAIRS = [
-    ("titan_dcp_ext", "titan_stock"),
-    ("titan_dcp_ext_zstd", "titan_stock"),
-    ("lightning_dcp_ext", "lightning_stock"),
-    ("dcp_ext", "dcp_torch"),
-]
-#: The main table's target ids whose ratios these rows are held against.
-MAIN_TARGETS = {"local": "local_save_torch", "s3": "s3_save_fsspec"}
 #: The plan-cache name each framework's dcp_ext adapter plans under (``dcp_ext.integrations._planning``).
 ADAPTER_PLANS = {"torchtitan": "torchtitan", "lightning": "lightning"}
 
@@ -593,134 +582,7 @@ def _summed(n: int) -> int:
     return int(t.item())
 
 
-# -- summary, report, command ------------------------------------------------------------------
-
-
-def newest_main_table(results: Path = BENCH / "results") -> Path | None:
-    """The newest results JSON of ``python -m bench`` (``<date>-<machine>[-<tag>].json``), full
-    default runs before ``-quick`` / ``-custom`` ones of the same date, then by modification time."""
-    found = [p for p in results.glob("*.json") if re.match(r"^\d{4}-\d{2}-\d{2}-[0-9a-f]{8}", p.name)]
-    if not found:
-        return None
-    return max(found, key=lambda p: (p.name[:10], not re.search(r"-(quick|custom)\.json$", p.name),
-                                     p.stat().st_mtime))
-
-
-def main_table_ratios(path: Path | None) -> dict[str, Any]:
-    """The main table's save ratios (dcp_ext / torch's default writer) that the
-    framework rows are held against: ``{kind: {world: {ratio, paired}}}``."""
-    if path is None:
-        return {}
-    from bench.harness.report import summarize as summarize_main
-
-    result = json.loads(path.read_text())
-    summary = result.get("summary") or summarize_main(result)
-    out: dict[str, Any] = {"file": path.name, "date": result.get("date"),
-                           "commit": result.get("machine", {}).get("git_commit", "?")[:7]}
-    for kind, target in MAIN_TARGETS.items():
-        entry = next((t for t in summary.get("targets", []) if t["id"] == target), None)
-        if entry:
-            out[kind] = {w: {"ratio": r["ratio"], "paired": r["paired"], "text": entry["text"]}
-                         for w, r in entry["worlds"].items()}
-    return out
-
-
-def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Median seconds and GB/s per system; dcp_ext / default ratios per pair
-    (ratio of medians, and the median of same-round ratios)."""
-    med = statistics.median
-    out: dict[str, Any] = {"rows": {}, "ratios": {}, "fixed": {}}
-    for kind, rec in result["kinds"].items():
-        for fw, secs in rec.get("prep", {}).items():
-            adapter = rec.get("null_adapter", {}).get(fw)
-            out["fixed"][fw] = {"prep_s": med(secs), "null_save_s": med(rec["null"][fw]),
-                                "null_adapter_s": med(adapter) if adapter else None, "items": rec["items"].get(fw)}
-        rows = out["rows"].setdefault(kind, {})
-        for meta in rec["systems"]:
-            secs = rec["seconds"][meta["name"]]
-            rows[meta["name"]] = {**meta, "median_s": med(secs), "min_s": min(secs), "max_s": max(secs),
-                                  "gbps": meta["bytes"] / med(secs) / 1e9, "stored": rec["stored"].get(meta["name"]),
-                                  "files": rec["files"].get(meta["name"])}
-    for kind, rec in result["kinds"].items():
-        rows = out["rows"][kind]
-        for ours, default in PAIRS:
-            if ours in rows and default in rows:
-                a, b = rec["seconds"][ours], rec["seconds"][default]
-                entry = {"default": default, "ratio": med(b) / med(a), "paired": med(y / x for x, y in zip(a, b))}
-                fixed = out["fixed"].get(rows[ours]["framework"])
-                if fixed:  # what the stock save pays whatever it stores: its share of the dcp_ext save
-                    entry["common_s"] = fixed["prep_s"] + fixed["null_save_s"]
-                    entry["common_share"] = entry["common_s"] / med(a)
-                out["ratios"].setdefault(kind, {})[ours] = entry
-    return out
-
-
-def render(record: dict[str, Any]) -> str:
-    s, m, p, main = record["summary"], record["machine"], record["params"], record["main_table"]
-    titles = {"local": f"local disk (`{m.get('workdir_device', '?')}`)", "s3": "S3 (SeaweedFS, 127.0.0.1)"}
-    lines = [
-        f"Run of {record['date']} on `{m['machine_id']}`: {m['cpu_count']} × {m['cpu_model']}, {m['ram_gib']:.1f} GiB "
-        f"RAM; torch {m['versions'].get('torch')}, torchtitan {record['versions'].get('torchtitan')}, lightning "
-        f"{record['versions'].get('lightning')}, dcp_ext {m['versions'].get('dcp_ext')} (commit "
-        f"`{m['git_commit'][:12]}`{', dirty tree' if m['git_dirty'] else ''}); load average at start/end "
-        f"{m['loadavg_start']} / {record['loadavg_end']}; run time {record['runtime_seconds'] / 60:.1f} min.",
-        "",
-        f"2 gloo ranks, FSDP2; the model is the main table's state dict at {p['size'] / MiB:,.0f} MiB "
-        f"({p['layers']} layers, bf16, random bits), with AdamW's two moments (random bits) the framework "
-        f"saves hold {record['framework_bytes'] / MiB:,.0f} MiB of tensors; plain DCP rows save the model "
-        f"alone. Timed rounds per system: {', '.join(f'{k} {v}' for k, v in p['rounds'].items())}, after a warm-up round; order rotated and reversed every other "
-        f"round, `sync`{' + page cache dropped' if p['drop_caches'] else ''} before each save; median seconds "
-        "(min–max) of the slower rank.",
-        "",
-        f"Command: `{record['command']}`",
-        "",
-        "| storage | system | settings | save s, median (min–max) | GB/s | stored MiB |",
-        "|---|---|---|---:|---:|---:|",
-    ]
-    for kind, rows in s["rows"].items():
-        for row in rows.values():
-            stored = f"{row['stored'] / MiB:,.0f}" if row.get("stored") is not None else "–"
-            lines.append(f"| {titles[kind]} | {row['label']} | {row['settings']} | {row['median_s']:.2f} "
-                         f"({row['min_s']:.2f}–{row['max_s']:.2f}) | {row['gbps']:.3f} | {stored} |")
-    main_head = f"main table `{main['file']}`, 2 ranks" if main else "main table"
-    lines += [
-        "",
-        f"| storage | dcp_ext / default (save throughput) | this run: ratio [paired] | what the stock save pays "
-        f"storing nothing (table below), share of the dcp_ext save | plain DCP, this run | {main_head} | "
-        f"≥ main table? |",
-        "|---|---|---:|---:|---:|---:|---|",
-    ]
-    for kind, ratios in s["ratios"].items():
-        plain = ratios.get("dcp_ext")
-        ref = main.get(kind, {}).get("2") if main else None
-        for ours, r in ratios.items():
-            row = s["rows"][kind]
-            cells = [f"{r['ratio']:.2f}× [{r['paired']:.2f}]",
-                     f"{r['common_s']:.2f} s = {r['common_share']:.0%}" if "common_s" in r else "–",
-                     f"{plain['ratio']:.2f}×" if plain else "–",
-                     f"{ref['ratio']:.2f}×" if ref else "–",
-                     ("✅" if r["ratio"] >= ref["ratio"] else "❌") if ref else "–"]
-            lines.append(f"| {titles[kind]} | {row[ours]['label']} / {row[r['default']]['label']} | "
-                         + " | ".join(cells) + " |")
-    if s["fixed"]:
-        built = {"torchtitan": " (flatten + each `Stateful`'s `state_dict` + `gc.collect(1)`)",
-                 "lightning": " (`dump_checkpoint`)", "dcp": ""}
-        lines += ["", "What a save of the same state pays whatever it stores (measured in the local rounds, "
-                  "median, slower rank): the framework building the state dict it hands DCP, and `dcp.save` of "
-                  "it through a writer that resolves every item (pickling non-tensors) and stores nothing "
-                  "(planning, collectives, metadata), with DCP's default planner (the stock saves) and with the "
-                  "planner dcp_ext's adapters use (`LayoutSavePlanner` with DCP's plan caching, warm from their "
-                  "saves: an unchanged plan is neither sent nor planned again).", "",
-                  "| state | DCP write items (all ranks): tensors / other values | built by the framework, s | "
-                  "`dcp.save` storing nothing, DCP's default planner, s | the same, dcp_ext adapters' planner, s |",
-                  "|---|---:|---:|---:|---:|"]
-        names = {"torchtitan": "torchtitan", "lightning": "Lightning", "dcp": "plain DCP (model only)"}
-        for fw, f in s["fixed"].items():
-            items = f["items"] or {}
-            lines.append(f"| {names.get(fw, fw)} | {items.get('tensors', '?'):,} / {items.get('other', '?'):,} | "
-                         f"{f['prep_s']:.2f}{built.get(fw, '')} | {f['null_save_s']:.2f} | "
-                         + (f"{f['null_adapter_s']:.2f} |" if f.get("null_adapter_s") is not None else "– |"))
-    return "\n".join(lines)
+# -- command ------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:

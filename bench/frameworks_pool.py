@@ -5,7 +5,8 @@ from one run to the next (bench/README.md, Frameworks). This pools every
 timed save of the given results files per system and storage kind and
 prints, as markdown, each dcp_ext / default ratio of medians over all of
 them, the median of the same-round ratios, each run's own ratio, and the
-main table's ratio the rows are held against (that of the first file).
+main table's ratio the rows are held against (that of the first file). Nothing
+here runs a save: it reads results files only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.frameworks import PAIRS
+from bench.frameworks_report import PAIRS
 
 
 def pooled(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -40,3 +40,18 @@ def test_lightning_trainers(make_backend, tmp_path) -> None:
     assert first["fsdp_listing"] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt",
                                      "last.ckpt"], first["fsdp_listing"]
     assert {"meta.pt", "dcp_ext.metadata.json"} <= set(first["s3_files"]), first["s3_files"]
+
+
+def test_strategy_io_options_become_the_config_of_every_save_and_load() -> None:
+    """``io_options`` are checked when the strategy is built (naming the setting) and become the
+    ``IOConfig`` its saves and loads use; none given: writers and readers build their own."""
+    import pytest
+
+    from dcp_ext.errors import InvalidOptionError
+    from dcp_ext.integrations.lightning import DcpExtModelParallelStrategy
+
+    strategy = DcpExtModelParallelStrategy(io_options={"max_concurrency": 16, "part_size": "32MiB"})
+    assert (strategy.io_config.max_concurrency, strategy.io_config.part_size) == (16, 32 << 20)
+    assert DcpExtModelParallelStrategy().io_config is None
+    with pytest.raises(InvalidOptionError, match="io_options: .*max_concurency"):
+        DcpExtModelParallelStrategy(io_options={"max_concurency": 2})

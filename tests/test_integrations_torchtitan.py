@@ -45,3 +45,20 @@ def test_torchtitan_checkpoint_manager(make_backend, tmp_path) -> None:
     assert listings["ours_data_files"] == [f"{kind}_rank{r}.distcp" for kind in ("optimizer", "state")
                                            for r in (0, 1)], listings
 
+
+
+def test_io_options_are_checked_when_the_config_is_built() -> None:
+    """``checkpoint.io_options`` are ``IOConfig`` fields, refused at config time (naming the setting),
+    not at the first save hours into a run; good ones are kept."""
+    import pytest
+
+    from dcp_ext.errors import InvalidOptionError
+    from dcp_ext.integrations.torchtitan import DcpExtCheckpointManager
+
+    good = DcpExtCheckpointManager.Config(enable=True, io_options={"max_concurrency": 16, "part_size": "32MiB"})
+    assert good.io_options == {"max_concurrency": 16, "part_size": "32MiB"}  # the SeaweedFS case saves with some
+    for bad, words in (({"max_concurency": 2}, "max_concurency"), ({"part_size": "lots"}, "lots"),
+                       ({"max_concurrency": 0}, "max_concurrency")):
+        with pytest.raises(InvalidOptionError, match=words) as info:
+            DcpExtCheckpointManager.Config(enable=True, io_options=bad)
+        assert "checkpoint.io_options" in str(info.value)

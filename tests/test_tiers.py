@@ -244,9 +244,10 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
     by side (each sequence on its own root and local tiers; checks between jobs).
 
     Plain tiered saves, killed while writing the local tier's data, during
-    the local commit, replication and the drain, and at two random moments:
-    after each, the persistent root's newest is unchanged unless the drain
-    committed and loads bit-exact here (one process), and the next job
+    the local commit, replication and the drain, and at a random moment
+    (one since 2026-11-27, to keep the suite under 10 minutes): after each,
+    the persistent root's newest is unchanged unless the drain committed and
+    loads bit-exact here (one process), and the next job
     resumes bit-exact: the killed tag itself once it had committed in both
     local tiers (after a random kill: the previous tag or the killed one).
 
@@ -264,7 +265,7 @@ def test_killed_tiered_saves_keep_every_tier_consistent(tmp_path: Path) -> None:
     # a kill at a random moment, either outcome (the next job tells which).
     plain = [("none", True, True), ("0:mid_data", False, False), ("1:mid_local_commit", False, False),
              ("0:mid_replication", True, False), ("1:mid_drain", True, False), ("all:before_drain_commit", True, False),
-             ("1:random:0.04", None, None), ("0:random:0.07", None, None), ("none", True, True)]
+             ("1:random:0.04", None, None), ("none", True, True)]
     incremental = [("none", True, True), ("none", True, True), ("1:mid_drain", True, False),
                    ("0:mid_retention", True, True), ("1:random:0.08", None, None), ("none", True, True)]
     (root, persisted, _), (incremental_root, incremental_persisted, chains) = _side_by_side(

@@ -22,6 +22,7 @@ from dcp_ext.errors import CheckpointNotFoundError, InvalidOptionError, InvalidP
 from dcp_ext.whole_state import load_whole
 
 from . import _checkpoint_dirs as dirs
+from ._io_options import io_config
 from ._planning import save_planner
 
 __all__ = ["CheckpointIOMixin", "ModelParallelMixin", "META_FILE"]
@@ -138,11 +139,12 @@ class ModelParallelMixin:
     :mod:`dcp_ext.integrations.lightning`)."""
 
     def __init__(self, *args: Any, storage_options: dict[str, Any] | None = None, compression: Any = None,
-                 overwrite: bool = True, **kwargs: Any) -> None:
+                 overwrite: bool = True, io_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.storage_options = dict(storage_options or {})
         self.compression = compression
         self.overwrite = overwrite
+        self.io_config = io_config(io_options, "io_options")
 
     # These come from the strategy class this is mixed into.
     _save_distributed_checkpoint: bool
@@ -171,7 +173,7 @@ class ModelParallelMixin:
         meta = buffer.getvalue()
         dcp_ext.save(state, path, storage_options=_options(self.storage_options, storage_options),
                      overwrite=self.overwrite, compression=self.compression,
-                     before_commit=_MetaWriter(meta), planner=save_planner("lightning"))
+                     before_commit=_MetaWriter(meta), planner=save_planner("lightning"), config=self.io_config)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str],
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -203,7 +205,7 @@ class ModelParallelMixin:
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, opt) for i, opt in enumerate(optimizers)})
         keys = {k for key in state for k in (key, f"{key}.")}
         dcp_ext.load(state, path, storage_options=self.storage_options,
-                     planner=dcp_ext.LayoutLoadPlanner(strict=strict, keys=keys))
+                     planner=dcp_ext.LayoutLoadPlanner(strict=strict, keys=keys), config=self.io_config)
         set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
         for i, opt in enumerate(optimizers):
             set_optimizer_state_dict(self.model, opt, optim_state_dict=state[f"optimizer_{i}"],

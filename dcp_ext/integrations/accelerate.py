@@ -4,7 +4,8 @@ Accelerate saves and loads FSDP models and optimizers in
 ``accelerate/utils/fsdp_utils.py`` with a hard-coded ``FileSystemWriter`` /
 ``FileSystemReader`` and ``os.makedirs``: local paths only, no storage
 options. The four functions here have the same signatures (plus keyword-only
-dcp_ext settings) and write the same layout, through
+dcp_ext settings: ``storage_options``, ``io_options`` (:class:`~dcp_ext.IOConfig`
+fields), and for saves ``compression`` and ``overwrite``) and write the same layout, through
 :class:`~dcp_ext.CheckpointWriter` / :class:`~dcp_ext.CheckpointReader`::
 
     {output_dir}/pytorch_model_fsdp_{model_index}/   # DCP checkpoint of {"model": ...}
@@ -96,6 +97,7 @@ import dcp_ext
 from dcp_ext.errors import InvalidOptionError
 
 from . import _checkpoint_dirs as dirs
+from ._io_options import io_config
 from ._planning import save_planner
 
 __all__ = ["save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer",
@@ -137,12 +139,13 @@ def _dir(root: str, prefix: str, index: int) -> str:
 def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: str | os.PathLike[str],
                     model_index: int = 0, adapter_only: bool = False, use_dcp: bool = True, *,
                     storage_options: dict[str, Any] | None = None, compression: Any = None,
-                    overwrite: bool = True) -> str | None:
+                    overwrite: bool = True, io_options: dict[str, Any] | None = None) -> str | None:
     """(all processes) Save ``model``'s FSDP2 shards to
     ``output_dir/pytorch_model_fsdp_{model_index}`` through dcp_ext.
 
     Args: accelerate's ``save_fsdp_model`` arguments, plus
         storage_options: fsspec/s3fs options.
+        io_options: :class:`~dcp_ext.IOConfig` fields (``{"max_concurrency": 16}``).
         compression: ``None`` (accelerate can read it too) or ``"zstd"``.
         overwrite: Replace an existing checkpoint there (accelerate's
             writer does; default).
@@ -160,13 +163,14 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: 
     path = _dir(root, MODEL_DIR, model_index)
     state = {"model": get_model_state_dict(model, options=_sd_options(fsdp_plugin))}
     dcp_ext.save(state, path, storage_options=storage_options, compression=compression, overwrite=overwrite,
-                 planner=save_planner("accelerate.model"))
+                 planner=save_planner("accelerate.model"), config=io_config(io_options, "io_options"))
     return path
 
 
 def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: str | os.PathLike[str],
                     model_index: int = 0, adapter_only: bool = False, use_dcp: bool = True, *,
-                    storage_options: dict[str, Any] | None = None, strict: bool = True) -> Any:
+                    storage_options: dict[str, Any] | None = None, strict: bool = True,
+                    io_options: dict[str, Any] | None = None) -> Any:
     """(all processes) Load ``model``'s FSDP2 shards from
     ``input_dir/pytorch_model_fsdp_{model_index}`` (written by dcp_ext or by
     accelerate), resharded to the current layout.
@@ -184,7 +188,8 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: s
     accelerator.wait_for_everyone()
     options = _sd_options(fsdp_plugin)
     state = {"model": get_model_state_dict(model, options=options)}
-    dcp_ext.load(state, _dir(root, MODEL_DIR, model_index), storage_options=storage_options, strict=strict)
+    dcp_ext.load(state, _dir(root, MODEL_DIR, model_index), storage_options=storage_options, strict=strict,
+                 config=io_config(io_options, "io_options"))
     result = set_model_state_dict(model, state["model"], options=options)
     accelerator.wait_for_everyone()
     return result
@@ -193,7 +198,7 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: s
 def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any,
                         output_dir: str | os.PathLike[str], optimizer_index: int = 0, use_dcp: bool = True, *,
                         storage_options: dict[str, Any] | None = None, compression: Any = None,
-                        overwrite: bool = True) -> str | None:
+                        overwrite: bool = True, io_options: dict[str, Any] | None = None) -> str | None:
     """(all processes) Save ``optimizer``'s sharded state to
     ``output_dir/optimizer_{optimizer_index}`` through dcp_ext.
 
@@ -211,13 +216,14 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
     path = _dir(root, OPTIMIZER_DIR, optimizer_index)
     state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=_sd_options(fsdp_plugin))}
     dcp_ext.save(state, path, storage_options=storage_options, compression=compression, overwrite=overwrite,
-                 planner=save_planner("accelerate.optimizer"))
+                 planner=save_planner("accelerate.optimizer"), config=io_config(io_options, "io_options"))
     return path
 
 
 def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any,
                         input_dir: str | os.PathLike[str], optimizer_index: int = 0, adapter_only: bool = False,
-                        use_dcp: bool = True, *, storage_options: dict[str, Any] | None = None) -> None:
+                        use_dcp: bool = True, *, storage_options: dict[str, Any] | None = None,
+                        io_options: dict[str, Any] | None = None) -> None:
     """(all processes) Load ``optimizer``'s state from
     ``input_dir/optimizer_{optimizer_index}`` (written by dcp_ext or by
     accelerate), resharded to the current layout, into ``optimizer``."""
@@ -231,6 +237,7 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
     accelerator.wait_for_everyone()
     options = _sd_options(fsdp_plugin)
     state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
-    dcp_ext.load(state, _dir(root, OPTIMIZER_DIR, optimizer_index), storage_options=storage_options)
+    dcp_ext.load(state, _dir(root, OPTIMIZER_DIR, optimizer_index), storage_options=storage_options,
+                 config=io_config(io_options, "io_options"))
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     accelerator.wait_for_everyone()

@@ -100,6 +100,8 @@ class DcpExtModelParallelStrategy(ModelParallelMixin, ModelParallelStrategy):
             (``trainer.save_checkpoint(..., storage_options=...)``) is merged on top.
         compression: ``None`` or ``"zstd"`` (or a :class:`~dcp_ext.Codec`).
         overwrite: Replace an existing checkpoint of the same name (default).
+        io_options: :class:`~dcp_ext.IOConfig` fields for every save and load
+            (``{"max_concurrency": 16, "part_size": "32MiB"}``).
         *args: The stock strategy's positional arguments.
         **kwargs: The stock strategy's keyword arguments (``data_parallel_size``,
             ``tensor_parallel_size``, ``save_distributed_checkpoint``...).

@@ -66,6 +66,7 @@ from it (``DcpExtCheckpointManager.Config(**toml["checkpoint"])``)::
     compression = "zstd"
     overwrite = true
     storage_options = { client_kwargs = { region_name = "us-east-1" } }
+    io_options = { max_concurrency = 16, part_size = "32MiB" }
 
 Without a trainer (what the tests do): ``DcpExtCheckpointManager.Config(...).
 build(dataloader=..., model_parts=[model], optimizers=..., lr_schedulers=...,
@@ -93,6 +94,7 @@ import dcp_ext
 from dcp_ext.errors import InvalidOptionError
 
 from . import _checkpoint_dirs as dirs
+from ._io_options import io_config
 from ._planning import save_planner
 
 __all__ = ["DcpExtCheckpointManager"]
@@ -110,15 +112,15 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
     Args:
         config: The checkpoint section, a :class:`DcpExtCheckpointManager.Config`
             (torchtitan's fields plus ``storage_options``, ``compression``,
-            ``overwrite`` and ``verify_checksums``).
+            ``overwrite``, ``verify_checksums`` and ``io_options``).
         **kwargs: The other arguments of torchtitan's ``CheckpointManager``
             (``dataloader``, ``model_parts``, ``optimizers``, ``lr_schedulers``,
             ``states``, ``sd_adapter``, ``base_folder``), passed on unchanged.
 
     Raises:
         InvalidOptionError: A ``compression`` other than ``"zstd"`` or
-            ``None``, or ``storage_options`` that is not a dict (from the
-            config's own check).
+            ``None``, ``storage_options`` that is not a dict, or ``io_options``
+            that are not ``IOConfig`` fields (from the config's own check).
     """
 
     purge_thread: threading.Thread | None
@@ -143,6 +145,11 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         verify_checksums: bool = True
         """Check every frame's checksum on load."""
 
+        io_options: dict[str, Any] = field(default_factory=dict)
+        """:class:`~dcp_ext.IOConfig` fields for every save and load
+        (``{"max_concurrency": 16, "part_size": "32MiB"}``); unset fields
+        keep their ``DCP_EXT_*`` environment value or default."""
+
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             if self.compression is not None and self.compression != "zstd":
@@ -151,6 +158,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
             if not isinstance(self.storage_options, dict):
                 raise InvalidOptionError(
                     f"checkpoint.storage_options must be a dict, not {type(self.storage_options).__name__}")
+            io_config(self.io_options, "checkpoint.io_options")
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -160,6 +168,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         self.compression = config.compression
         self.overwrite = config.overwrite
         self.verify_checksums = config.verify_checksums
+        self.io_config = io_config(config.io_options, "checkpoint.io_options")
         #: The checkpoint the last save wrote (an asynchronous one may not be
         #: listed yet: it still counts for keep_latest_k).
         self._saving: str | None = None
@@ -177,7 +186,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
     def _writer(self, checkpoint_id: str) -> dcp_ext.CheckpointWriter:
         self._saving = checkpoint_id
         return dcp_ext.CheckpointWriter(checkpoint_id, storage_options=self.storage_options,
-                                        overwrite=self.overwrite, compression=self.compression)
+                                        overwrite=self.overwrite, compression=self.compression, config=self.io_config)
 
     def _remove_checkpoint(self, path: str) -> None:
         dirs.remove_checkpoint(path, self.storage_options)
@@ -216,7 +225,8 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         else:
             self._saving = checkpoint_id
             dcp_ext.save(state_dict, checkpoint_id, storage_options=self.storage_options,
-                         overwrite=self.overwrite, compression=self.compression, planner=save_planner("torchtitan"))
+                         overwrite=self.overwrite, compression=self.compression, planner=save_planner("torchtitan"),
+                         config=self.io_config)
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
@@ -235,7 +245,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         keys = {k for key in state_dict for k in (key, f"{key}.")}
         dcp_ext.load(state_dict, checkpoint_id, storage_options=self.storage_options,
                      planner=dcp_ext.LayoutLoadPlanner(strict=True, keys=keys),
-                     verify_checksums=self.verify_checksums)
+                     config=self.io_config, verify_checksums=self.verify_checksums)
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
 

@@ -92,7 +92,8 @@ def accelerate_suite(rank: int, world_size: int, local_root: str, s3_root: str,
         ours.save_fsdp_model(plugin, accelerator, trained.model, s3, storage_options=storage_options,
                              compression="zstd"),
         ours.save_fsdp_optimizer(plugin, accelerator, trained.optimizer, trained.model, s3,
-                                 storage_options=storage_options, compression="zstd"),
+                                 storage_options=storage_options, compression="zstd",
+                                 io_options={"max_concurrency": 2, "part_size": "5MiB"}),
     ]
     # The template-free load of a checkpoint 2 FSDP2 ranks wrote, in one process
     # (each rank on its own): the full model and optimizer, parameter-name keys.
@@ -113,7 +114,8 @@ def accelerate_suite(rank: int, world_size: int, local_root: str, s3_root: str,
 
     loaders = {
         "ours_local": (ours.load_fsdp_model, ours.load_fsdp_optimizer, local, {}),
-        "ours_s3_zstd": (ours.load_fsdp_model, ours.load_fsdp_optimizer, s3, {"storage_options": storage_options}),
+        "ours_s3_zstd": (ours.load_fsdp_model, ours.load_fsdp_optimizer, s3, {"storage_options": storage_options,
+                                                                          "io_options": {"max_concurrency": 2}}),
         "theirs_to_ours": (ours.load_fsdp_model, ours.load_fsdp_optimizer, theirs, {}),
         "ours_to_theirs": (stock.load_fsdp_model, stock.load_fsdp_optimizer, local, {}),
     }

@@ -144,7 +144,8 @@ def lightning_suite(rank: int, world_size: int, local_root: str, s3_root: str,
 
     # FSDP2 on S3 (SeaweedFS), compressed: save after 1 epoch, resume, 1 more epoch.
     url = f"{s3_root}/fsdp/epoch0.ckpt"
-    strategy = ours(storage_options=storage_options, compression="zstd")
+    strategy = ours(storage_options=storage_options, compression="zstd",
+                    io_options={"max_concurrency": 2, "part_size": "5MiB"})
     Net, Recorder = _classes(L)
     os.environ["WORLD_SIZE"] = "2"
     recorder = Recorder()
@@ -154,7 +155,7 @@ def lightning_suite(rank: int, world_size: int, local_root: str, s3_root: str,
     trainer.fit(Net(True))
     trainer.save_checkpoint(url)
     out["s3_saved_epoch0"] = _same(a.epochs[0], recorder.epochs[0])
-    d = _fit(L, ours(storage_options=storage_options), 2, ckpt_path=url)
+    d = _fit(L, ours(storage_options=storage_options, io_options={"max_concurrency": 2}), 2, ckpt_path=url)
     out["s3_resume"] = _same(a.epochs[0], d.start)
     out["s3_next"] = _same(a.epochs[1], d.epochs[1])
     out["s3_not_local"] = not os.path.exists("s3:") and not os.path.exists(os.path.join(os.getcwd(), "s3:"))

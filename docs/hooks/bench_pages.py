@@ -150,6 +150,21 @@ def _by_render(module: str) -> Callable[[Run, Context], str]:
     return render
 
 
+def _frameworks(run: Run, ctx: Context) -> str:
+    """The pooled table of every run of the latest one's date and model size, then the latest run."""
+    size = run.record["params"]["size"]
+    pooled = [path for path in sorted(run.path.parent.glob("frameworks-*.json"))
+              if re.match(_q("frameworks"), path.name)
+              and (record := json.loads(path.read_text()))["params"]["size"] == size
+              and record.get("date") == run.record.get("date")]
+    records = [json.loads(path.read_text()) for path in pooled]
+    out = []
+    if len(records) > 1:
+        out += ["## Runs pooled", "", str(_module("frameworks_pool").render(records, [p.name for p in pooled])), "",
+                "## The latest run", ""]
+    return "\n".join(out) + str(_module("frameworks_report").render(run.record))
+
+
 def _scale(run: Run, ctx: Context) -> str:
     report = _module("scale_report")
     return str(report.render_markdown(run.record["rows"], run.record.get("profiles") or ()))
@@ -286,6 +301,8 @@ SUITES: tuple[Suite, ...] = (
           _q("finetune"), "benchmarks/finetune.md", _by_render("finetune")),
     Suite("hf-export", "Hugging Face export", "python -m bench.hf_export",
           _q("hf-export"), "benchmarks/hf-export.md", _by_render("hf_export")),
+    Suite("frameworks", "Framework saves: torchtitan and Lightning", "python -m bench.frameworks",
+          _q("frameworks"), "benchmarks/frameworks.md", _frameworks),
     Suite("scale", "Scale: planning and metadata", "python -m bench.scale",
           _q("scale"), "benchmarks/scale.md", _scale),
     Suite("s3-request-rate", "S3 request rates and key prefixes", "python -m bench.s3_request_rate",

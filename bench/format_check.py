@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import dcp_ext
+from dcp_ext.errors import NeedsCheckpointReaderError
 
 #: Fields that hold a time or an id of one run.
 _VOLATILE = {"created", "integrity", "save_id", "load_id", "checkpoint_id", "dcp_ext.created"}
@@ -50,7 +51,10 @@ def _digest(path: Path) -> str:
         except ValueError:
             pass
     elif path.name == ".metadata":
-        metadata = pickle.loads(data)  # our own pickle, written by this run
+        try:
+            metadata = pickle.loads(data)  # our own pickle, written by this run
+        except NeedsCheckpointReaderError:
+            return "marker " + hashlib.sha256(data).hexdigest()  # the .metadata marker of compressed/incremental
         metadata.storage_meta = None
         data = pickle.dumps((metadata.state_dict_metadata, metadata.planner_data,
                              sorted((str(k), repr(v)) for k, v in (metadata.storage_data or {}).items())))

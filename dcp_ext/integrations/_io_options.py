@@ -26,11 +26,12 @@ def io_config(options: Any, where: str) -> IOConfig | None:
     Raises:
         InvalidOptionError: Not a dict, an unknown field or a bad value, naming ``where``.
     """
-    if not options:
-        if options is None or isinstance(options, dict):
-            return None
+    if options is None:
+        return None
     if not isinstance(options, dict):
         raise InvalidOptionError(f"{where} must be a dict of dcp_ext.IOConfig fields, not {type(options).__name__}")
+    if not options:
+        return None
     try:
         return IOConfig.from_env(**options)
     except (TypeError, ValueError) as err:

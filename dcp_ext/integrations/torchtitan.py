@@ -91,6 +91,7 @@ from torchtitan.tools.logging import logger  # type: ignore[import-untyped]
 from torchtitan.tools.utils import GarbageCollection  # type: ignore[import-untyped]
 
 import dcp_ext
+from dcp_ext.dcp_io import run_save
 from dcp_ext.errors import InvalidOptionError
 
 from . import _checkpoint_dirs as dirs
@@ -209,24 +210,15 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         ret: Any = None
+        writer, planner = self._writer(checkpoint_id), save_planner("torchtitan")
         if async_mode == AsyncMode.ASYNC:
             # The writer stages (a blocking copy) and a thread uploads.
-            ret = async_save(state_dict, storage_writer=self._writer(checkpoint_id), process_group=self.pg,
-                             planner=save_planner("torchtitan"))
+            ret = async_save(state_dict, storage_writer=writer, planner=planner, process_group=self.pg)
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
-            ret = async_save(
-                state_dict,
-                storage_writer=self._writer(checkpoint_id),
-                planner=save_planner("torchtitan"),
-                process_group=self.pg,
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                async_stager=self.stager,
-            )
+            ret = async_save(state_dict, storage_writer=writer, planner=planner, process_group=self.pg,
+                             async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
         else:
-            self._saving = checkpoint_id
-            dcp_ext.save(state_dict, checkpoint_id, storage_options=self.storage_options,
-                         overwrite=self.overwrite, compression=self.compression, planner=save_planner("torchtitan"),
-                         config=self.io_config)
+            run_save(state_dict, writer, planner, None)  # the default group, as torchtitan's synchronous save
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret

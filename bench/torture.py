@@ -1,4 +1,4 @@
-"""Crash-consistency torture: ``python -m bench.torture [--trials 200] [--seed 1] [--incremental | --concurrent]``.
+"""Crash-consistency torture: ``python -m bench.torture [--trials 200] [--seed 1] [--incremental | --concurrent | --plan-caching]``.
 
 Runs the trials of ``tests/support/crash_torture.py`` (real 2-rank saves killed at a
 random crash point on one or all ranks, or at a random moment, or not at all;
@@ -18,6 +18,16 @@ own tag; either side may be killed. Every committed tag must load bit-exact
 and every referenced file exist after each trial and after one leftover pass
 (:func:`tests.support.crash_torture.concurrent_sequence`); it writes
 ``bench/results/torture-concurrent-<date>.json``.
+
+``--plan-caching`` runs the trials of ``tests/support/plan_cache_torture.py``
+(issue 40): one 2-rank job per trial saves five times under one plan cache
+name while dtypes (fp32, bf16, fp16, fp64, int32), shapes and key sets
+change, some saves are refused or the ranks disagree, through
+``dcp_ext.save`` and stock ``dcp.save``, raw and zstd, and the job may be
+killed at a crash point or a random moment of a random save. Every
+committed save must load bit-exact in its own dtypes through every reader,
+every refusal must be the typed one expected, no error untyped; it writes
+``bench/results/torture-plan-caching-<date>.json``.
 """
 
 from __future__ import annotations
@@ -55,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="save with incremental=True (mode sync-incremental of tests/support/crash_job.py)")
     parser.add_argument("--concurrent", action="store_true",
                         help="incremental saves with compact, prune or a second job on the same root at once")
+    parser.add_argument("--plan-caching", action="store_true",
+                        help="saves under one plan cache name with dtype, shape and key changes, refusals and kills")
     args = parser.parse_args(argv)
+    if args.plan_caching:
+        return _plan_caching(args.trials, args.seed)
     mode = "concurrent" if args.concurrent else "sync-incremental" if args.incremental else "sync"
     lines: list[str] = []
 
@@ -86,6 +100,35 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1))
     print(f"{_summary(stats, args.incremental)}; {out}")
     return 1 if stats.violations else 0
+
+
+def _plan_caching(trials: int, seed: int) -> int:
+    """``--plan-caching``: the trials of tests/support/plan_cache_torture.py."""
+    from tests.support.plan_cache_torture import run_trials as run_plan_cache_trials
+
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="dcp_ext_torture_plans_") as root:
+        results = run_plan_cache_trials(Path(root), trials, seed=seed, log=log)
+    violations = [f"trial {n}: {v}" for n, r in enumerate(results) for v in r.violations]
+    killed = sum(1 for r in results if r.crash != "none")
+    result = {
+        "date": datetime.date.today().isoformat(), "mode": "plan-caching", "seed": seed, "trials": len(results),
+        "with_kill": killed, "saves_logged": sum(r.logged for r in results),
+        "committed": sum(r.committed for r in results), "refusals": sum(r.refused for r in results),
+        "violations": violations, "seconds": time.monotonic() - started, "log": lines,
+    }
+    out = ROOT / "bench" / "results" / f"torture-plan-caching-{result['date']}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"{len(results)} trials, {killed} with a kill armed, {result['saves_logged']} saves logged, "
+          f"{result['committed']} committed and checked, {result['refusals']} refusals, "
+          f"{len(violations)} violations; {out}")
+    return 1 if violations else 0
 
 
 if __name__ == "__main__":

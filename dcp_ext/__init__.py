@@ -38,6 +38,8 @@ from .errors import (
     PostCommitError,
     ReadOnceExchangeError,
     ReshardError,
+    PlanMismatchError,
+    PlanCacheError,
     StorageError,
     StorageFullError,
     StoragePermissionError,
@@ -159,6 +161,8 @@ __all__ = [
     "TransientStorageError",
     "CheckpointKeyError",
     "ReshardError",
+    "PlanMismatchError",
+    "PlanCacheError",
     "ReadOnceExchangeError",
     "unwrap_checkpoint_exception",
 ]

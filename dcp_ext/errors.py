@@ -41,6 +41,8 @@ __all__ = [
     "StorageTimeoutError",
     "CheckpointKeyError",
     "ReshardError",
+    "PlanMismatchError",
+    "PlanCacheError",
     "ReadOnceExchangeError",
     "InvalidPathError",
     "InvalidOptionError",
@@ -179,6 +181,22 @@ class StorageTimeoutError(StorageError, TimeoutError):
     deadline (``IOConfig.s3_connect_timeout``, ``s3_read_timeout``,
     ``s3_request_deadline``). The message names the endpoint, the object and
     the settings to change. Not retried further: the deadline is spent."""
+
+
+class PlanMismatchError(DcpExtError, ValueError):
+    """Save plans that do not describe one consistent checkpoint: what a rank
+    is about to store differs from the plan (and so the metadata) in an
+    item's dtype, shape or byte size, or two ranks disagree on a key. The
+    save stops before its commit; nothing of it is loadable. The message
+    names the item."""
+
+
+class PlanCacheError(PlanMismatchError):
+    """A rank sent only the fingerprint of its cached save plan, but the
+    coordinator does not hold that plan (a save under the same cache name
+    failed on some ranks only, or a process took another's place). Raised
+    during planning, before anything is locked or written; the cached plans
+    are dropped, and dcp_ext's own saves plan again at once."""
 
 
 class ReadOnceExchangeError(DcpExtError, RuntimeError):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 import zlib
 
@@ -168,7 +169,8 @@ def _written(plans: list[SavePlan], dropped: list[np.ndarray]) -> tuple[list[lis
         final = [item for k, item in enumerate(plan.items) if k not in skip]
         name, at, stored = f"model_rank{r}.distcp", 0, []
         for item in final:
-            n = 40 + (item.tensor_storage_size() or 7)
+            data = item.tensor_data  # the chunk's bytes: the commit checks them against the metadata
+            n = 40 + (math.prod(data.chunk.sizes) * data.properties.dtype.itemsize if data is not None else 7)
             stored.append(StoredItem(name, at, n, 30, n - 40, frame_size=1 << 20, indexed=True,
                                      frame_index=FrameIndexRef(10_000, 64, r)))
             at += n

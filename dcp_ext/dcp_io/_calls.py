@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .._runtime import gc_paused, torch_notices_quieted
-from ..errors import DcpExtError, PostCommitError, unwrap_checkpoint_exception
+from ..errors import DcpExtError, PlanCacheError, PostCommitError, unwrap_checkpoint_exception
 from ._reader import CheckpointReader
 from ._staging import Stager
 from ._writer import CheckpointWriter
 
 __all__ = ["AsyncSaveHandle", "run_save", "run_load", "start_async_save", "dcp_failure"]
+
+log = logging.getLogger("dcp_ext.save")
 
 
 def dcp_failure(exc: BaseException, preferred: BaseException | None = None) -> BaseException:
@@ -45,10 +48,15 @@ def dcp_failure(exc: BaseException, preferred: BaseException | None = None) -> B
     return error
 
 
-def _save_failure(writer: CheckpointWriter, exc: BaseException) -> BaseException:
+def _save_failure(writer: CheckpointWriter, planner: SavePlanner | None, exc: BaseException) -> BaseException:
     """The error to raise for a failed save, after removing this rank's files
-    (kept when the failure came after the commit)."""
+    (kept when the failure came after the commit) and the plans cached
+    under the planner's name (every rank sees the failure, so every rank
+    drops them: the next save plans afresh)."""
     error = dcp_failure(exc)
+    forget = getattr(planner, "forget_cached_plans", None)
+    if forget is not None:
+        forget()
     if not isinstance(error, PostCommitError):
         writer.remove_own_files()
     return error
@@ -57,16 +65,27 @@ def _save_failure(writer: CheckpointWriter, exc: BaseException) -> BaseException
 def run_save(
     state: dict[str, Any], writer: CheckpointWriter, planner: SavePlanner | None, process_group: Any
 ) -> Metadata:
-    """(all ranks) ``dcp.save`` with dcp_ext's errors and cleanup."""
+    """(all ranks) ``dcp.save`` with dcp_ext's errors and cleanup.
+
+    A :class:`~dcp_ext.errors.PlanCacheError` (a rank's cached plan unknown
+    to the coordinator, found before anything is locked or written) is
+    answered by planning again, once, on every rank.
+    """
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    try:
-        with gc_paused(), torch_notices_quieted():
-            metadata: Metadata = dcp_save(state, storage_writer=writer, planner=planner, process_group=process_group)
-    except BaseException as exc:
-        error = _save_failure(writer, exc)
-        raise error from error.__cause__
-    return metadata
+    for attempt in (1, 2):
+        try:
+            with gc_paused(), torch_notices_quieted():
+                metadata: Metadata = dcp_save(state, storage_writer=writer, planner=planner, process_group=process_group)
+        except BaseException as exc:
+            error = _save_failure(writer, planner, exc)
+            if isinstance(error, PlanCacheError) and attempt == 1:
+                log.warning("%s; planning again", error)
+                writer.reset()
+                continue
+            raise error from error.__cause__
+        return metadata
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def run_load(
@@ -165,7 +184,7 @@ def start_async_save(
             response = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=process_group,
                                       async_stager=stager, async_checkpointer_type=kinds[uploads])
     except BaseException as exc:
-        error = _save_failure(writer, exc)
+        error = _save_failure(writer, planner, exc)
         raise error from error.__cause__
     # An AsyncSaveResponse with a stager, a bare future without one.
     upload: concurrent.futures.Future[Any] = getattr(response, "upload_completion", response)  # type: ignore[arg-type]
@@ -177,7 +196,7 @@ def start_async_save(
         try:
             future.result()
         except BaseException as exc:
-            handle.set_exception(_save_failure(writer, exc))
+            handle.set_exception(_save_failure(writer, planner, exc))
             return
         handle.set_result(None)
 

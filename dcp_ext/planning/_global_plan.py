@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
+from ..errors import PlanMismatchError
 from ..metadata.chunk_columns import ChunkColumns
 from ._plan_columns import NO_ITEM, CompactSavePlan, KeyEntry, compact_plan
 
@@ -69,8 +70,10 @@ _BYTE_IO = WriteItemType.BYTE_IO.value
 _TENSOR = WriteItemType.TENSOR.value
 
 
-class GlobalPlanError(ValueError):
-    """The ranks' save plans do not describe a consistent checkpoint."""
+class GlobalPlanError(PlanMismatchError):
+    """The ranks' save plans do not describe a consistent checkpoint (two
+    ranks disagree on a key's kind, dtype or shape, or its chunks overlap or
+    leave gaps). Raised during planning: nothing was written."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,15 +16,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
-import xxhash
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    MetadataIndex,
-)
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from .._runtime import gc_paused
+from ..errors import PlanCacheError, PlanMismatchError
 from ..layout import (
     FileAssignment,
     MeshInfo,
@@ -36,6 +33,7 @@ from ..layout import (
     spread_name,
 )
 from ._global_plan import create_global_save_plan
+from ._plan_cache import PLAN_CACHE, CachedGlobalPlan, PlanClaim, fingerprint
 from ._plan_columns import NO_ITEM, CompactSavePlan, compact_plan
 
 __all__ = ["LayoutSavePlanner"]
@@ -63,11 +61,14 @@ class LayoutSavePlanner(DefaultSavePlanner):
             (``30/model_rank3.distcp``, :func:`dcp_ext.layout.key_prefix`);
             ``0`` (default) keeps them directly in the checkpoint directory.
             The manager passes ``IOConfig.key_prefixes``.
-        enable_plan_caching: DCP's plan caching: a rank whose plan is the
-            same as in its previous save sends an empty one, and the
-            coordinator reuses its previous global plan and metadata (with
-            thousands of ranks, most of a save's planning). Off by default,
-            as in DCP.
+        enable_plan_caching: Plan caching (:mod:`dcp_ext.planning._plan_cache`,
+            not DCP's own): a rank whose plan is bit for bit the one of its
+            last successful save sends only its fingerprint, and the
+            coordinator reuses its previous global plan and metadata when
+            every rank's fingerprint matches what it holds (with thousands
+            of ranks, most of a save's planning). Dtypes, shapes, chunks and
+            keys are all part of the fingerprint; a save that fails leaves
+            no cached plan behind. Off by default, as in DCP.
         plan_cache_name: Keeps this planner's cached plans apart from those of
             planners with another name (in the same process, world and
             layout), so that two states saved in turn (a model and its
@@ -77,12 +78,10 @@ class LayoutSavePlanner(DefaultSavePlanner):
         partition: The partition decision (on the coordinator, after planning).
         gathered_items: Items in the plans the coordinator received in its
             last planning (``0`` when every rank's plan came from the cache).
+        reused_global_plan: With caching, on the coordinator: its last
+            planning reused the whole cached global plan.
+        cache_key: Where this planner's cached plans are kept (set up per save).
     """
-
-    # The coordinator's partition of each cached global plan, by cache key.
-    _cached_partition: dict[str, Partition] = {}
-    # ... and which rank writes each chunk (ChunkWriters), which the metadata carries until commit.
-    _cached_writers: dict[str, Any] = {}
 
     def __init__(
         self,
@@ -95,7 +94,11 @@ class LayoutSavePlanner(DefaultSavePlanner):
         enable_plan_caching: bool = False,
         plan_cache_name: str = "",
     ) -> None:
-        super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=enable_plan_caching)
+        # DCP's own caching stays off: it compares plans without their dtypes
+        # and leaves its caches half updated by a refused save (issue 40).
+        # This planner caches by dcp_ext.planning._plan_cache's rule instead.
+        super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=False)
+        self.caching = enable_plan_caching
         self.gathered_items = 0
         self.mesh = mesh
         self.global_ranks = list(global_ranks) if global_ranks is not None else None
@@ -104,45 +107,75 @@ class LayoutSavePlanner(DefaultSavePlanner):
         self.key_prefixes = key_prefixes
         self.plan_cache_name = plan_cache_name
         self.partition: Partition | None = None
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        """(coordinator) Dedup, then name every rank's files and record who wrote what."""
-        self.gathered_items = sum(
-            len(plan.planner_data) if isinstance(plan.planner_data, CompactSavePlan) else len(plan.items)
-            for plan in all_plans
-        )
-        with gc_paused():  # millions of live objects at scale make each full collection costly
-            if not self._enable_plan_caching:
-                return self._create_global_plan(all_plans)
-            # DCP's caching calls _create_global_plan when a plan changed, and
-            # otherwise answers every rank "unchanged" (finish_plan then uses
-            # the rank's previous final plan, files included).
-            self.partition = None
-            answers, metadata = super().create_global_plan(all_plans)
-            key = self._cached_plans_key
-            if self.partition is None:  # the cached global plan: its partition and chunk writers too
-                self.partition = LayoutSavePlanner._cached_partition[key]
-                metadata.storage_data = LayoutSavePlanner._cached_writers[key]
-            LayoutSavePlanner._cached_partition[key] = self.partition
-            LayoutSavePlanner._cached_writers[key] = metadata.storage_data  # the writer's finish replaces it
-            return answers, metadata
+        self.cache_key = ""
+        self.reused_global_plan = False
+        self._fingerprint: bytes | None = None  # this rank's plan, to keep once the global plan succeeded
+        self._planned: CachedGlobalPlan | None = None  # the coordinator's record, likewise
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         """(all ranks) DCP's set-up; the plan cache is kept per layout and world size."""
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self._cached_plans_key = (
-            f"{type(self).__name__}/{world}/{self.mesh}/{self.global_ranks}/{self.replicated_apart}/{self.key_prefixes}"
-            f"/{self.plan_cache_name}"
+        self.cache_key = (
+            f"{type(self).__name__}/{world}/{self.mesh}/{self.global_ranks}/{self.nodes}/{self.partners}"
+            f"/{self.replicated_apart}/{self.key_prefixes}/{self.plan_cache_name}"
         )
+        self._fingerprint = self._planned = None
+        if self.caching:
+            PLAN_CACHE.begin(self.cache_key)
+
+    def forget_cached_plans(self) -> None:
+        """(every rank) Drop what is cached under this planner's key (after a failed save)."""
+        if self.cache_key:
+            PLAN_CACHE.drop(self.cache_key)
 
     def create_local_plan(self) -> SavePlan:
         """(all ranks) DCP's local plan, sent to the coordinator as a
-        :class:`~dcp_ext.planning._plan_columns.CompactSavePlan`; the rank keeps its items."""
+        :class:`~dcp_ext.planning._plan_columns.CompactSavePlan` (with
+        caching, only its fingerprint when it is the cached one); the rank
+        keeps its items."""
         plan = super().create_local_plan()
-        if self._enable_plan_caching and not plan.usable:
-            return plan  # unchanged since the last save: DCP sends nothing
-        return SavePlan([], planner_data=compact_plan(self.plan), usable=plan.usable)
+        compact = compact_plan(self.plan)
+        if self.caching:
+            print_ = fingerprint(compact)
+            if PLAN_CACHE.claim(self.cache_key, print_):
+                return SavePlan([], planner_data=PlanClaim(print_), usable=False)
+            self._fingerprint = print_
+        return SavePlan([], planner_data=compact, usable=plan.usable)
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """(coordinator) Dedup, then name every rank's files and record who wrote what.
+
+        Raises:
+            PlanCacheError: With caching, a rank claims a cached plan that
+                this coordinator does not hold (nothing was locked or written;
+                dcp_ext's saves plan again).
+        """
+        self.reused_global_plan = False
+        with gc_paused():  # millions of live objects at scale make each full collection costly
+            if not self.caching:
+                self.gathered_items = _items_in(all_plans)
+                return self._create_global_plan(all_plans)
+            cached = PLAN_CACHE.cached_global(self.cache_key)
+            plans = _with_claims_resolved(all_plans, cached, self.cache_key)
+            self.gathered_items = _items_in(all_plans)
+            if cached is not None and all(isinstance(p.planner_data, PlanClaim) for p in all_plans):
+                self.reused_global_plan = True
+                self.partition = cached.partition
+                self.metadata = metadata = cached.fresh_metadata()
+                self._planned = cached
+                return [dataclasses.replace(answer) for answer in cached.answers], metadata
+            answers, metadata = self._create_global_plan(plans)
+            compact = tuple(p.planner_data for p in plans)
+            self._planned = CachedGlobalPlan(
+                plans=compact,
+                fingerprints=tuple(fingerprint(p) for p in compact),
+                answers=tuple(answers),
+                metadata=dataclasses.replace(metadata),
+                partition=self.partition,
+                writers=metadata.storage_data,
+            )
+            return answers, metadata
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         planned = create_global_save_plan(all_plans)
@@ -173,11 +206,7 @@ class LayoutSavePlanner(DefaultSavePlanner):
             assignment = FileAssignment(by_kind=by_kind, replicated_apart=self.replicated_apart)
             left = _LeftToOthers(tuple(dropped.tolist()))
             # Each rank keeps its own items (finish_plan): only what it leaves to others travels back.
-            # With plan caching DCP compares each answer's items with the
-            # cached answer's to tell a rank "unchanged": the answer then
-            # carries one stand-in item naming its content.
-            items = [_answer_item(all_plans[rank], assignment, left)] if self._enable_plan_caching else []
-            assigned.append(SavePlan(items, storage_data=assignment, planner_data=left))
+            assigned.append(SavePlan([], storage_data=assignment, planner_data=left))
             ranks.append(
                 RankPartition(
                     rank=rank,
@@ -190,16 +219,28 @@ class LayoutSavePlanner(DefaultSavePlanner):
         return assigned, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        """(all ranks) This rank's own plan, less the items another rank writes, with its files."""
+        """(all ranks) This rank's own plan, less the items another rank writes, with its files.
+
+        With caching, the global plan (the writer's checks included) has
+        succeeded by now: this rank's fingerprint (and the coordinator's
+        record) are kept for the next save.
+        """
         left = new_plan.planner_data
         if not isinstance(left, _LeftToOthers):
-            return super().finish_plan(new_plan)  # DCP's: with caching, "unchanged" means the previous final plan
+            raise PlanMismatchError(
+                f"the coordinator's answer to this rank is a {type(left).__name__}, not a dcp_ext file "
+                f"assignment: was the global plan made by a LayoutSavePlanner on every rank?"
+            )
         items = self.plan.items
         if left.positions:
             skip = set(left.positions)
             items = [item for i, item in enumerate(items) if i not in skip]
         final = dataclasses.replace(self.plan, items=items, storage_data=new_plan.storage_data)
-        return super().finish_plan(final)
+        if self.caching:
+            PLAN_CACHE.promote(self.cache_key, self._fingerprint, self._planned)
+            self._fingerprint = self._planned = None
+        self.plan = final
+        return final
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,17 +251,36 @@ class _LeftToOthers:
     positions: tuple[int, ...]
 
 
-def _answer_item(plan: SavePlan, assignment: FileAssignment, left: _LeftToOthers) -> WriteItem:
-    """A stand-in item naming an answer: the rank's plan, its files, what it leaves to others."""
-    digest = xxhash.xxh3_128()
-    sent = plan.planner_data
-    if isinstance(sent, CompactSavePlan):
-        digest.update(sent.keys)
-        digest.update(sent.rows)
-    else:
-        digest.update(repr(plan.items).encode())
-    digest.update(repr((assignment, left.positions)).encode())
-    return WriteItem(MetadataIndex(f"dcp_ext answer {digest.hexdigest()}"), WriteItemType.BYTE_IO)
+def _items_in(plans: Sequence[SavePlan]) -> int:
+    """Items in the plans the coordinator received (claims hold none)."""
+    return sum(
+        len(plan.planner_data) if isinstance(plan.planner_data, CompactSavePlan) else len(plan.items)
+        for plan in plans
+    )
+
+
+def _with_claims_resolved(plans: Sequence[SavePlan], cached: CachedGlobalPlan | None, key: str) -> list[SavePlan]:
+    """Every rank's plan, a claim replaced by the cached plan it matches.
+
+    Raises:
+        PlanCacheError: A claim matches no cached plan of that rank.
+    """
+    resolved = []
+    for rank, plan in enumerate(plans):
+        claim = plan.planner_data
+        if not isinstance(claim, PlanClaim):
+            resolved.append(plan)
+            continue
+        if cached is None or len(cached.plans) != len(plans) or cached.fingerprints[rank] != claim.fingerprint:
+            PLAN_CACHE.drop(key)
+            held = "holds no cached plan" if cached is None else "holds another plan of that rank"
+            raise PlanCacheError(
+                f"rank {rank} sent only the fingerprint of its cached save plan, but the coordinator "
+                f"{held} under {key!r} (a save under this cache name failed on some ranks, or another "
+                f"process took the rank's place); nothing was written, and the next save plans afresh"
+            )
+        resolved.append(SavePlan([], planner_data=cached.plans[rank], usable=True))
+    return resolved
 
 
 def _sorted_once(cache: dict[frozenset[str], tuple[str, ...]], keys: set[str]) -> tuple[str, ...]:

@@ -20,10 +20,13 @@ one ``WriteResult`` per item as DCP does.
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
+import torch
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -31,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..errors import PlanMismatchError
 from ..metadata.chunk_columns import ChunkColumns, as_columns
 from ..metadata.document import FrameIndexRef, StoredItem
 from ..metadata.stored_columns import ITEM_COLUMNS, StoredColumns
@@ -202,6 +206,7 @@ def collect_stored(
         for rank_results in results:
             for result in rank_results:
                 items[result.index] = result.storage_data
+        _check_item_sizes(metadata, items)
         return items
     writers = metadata.storage_data
     if not isinstance(writers, ChunkWriters):
@@ -213,4 +218,61 @@ def collect_stored(
         fqn: as_columns(md.chunks, len(md.size)) if isinstance(md, TensorStorageMetadata) else None
         for fqn, md in metadata.state_dict_metadata.items()
     }
-    return gather_stored(writers, chunks, results)
+    stored = gather_stored(writers, chunks, results)
+    _check_raw_sizes(metadata, stored)
+    return stored
+
+
+def _check_item_sizes(metadata: Metadata, items: Mapping[MetadataIndex, StoredItem]) -> None:
+    """:func:`_check_raw_sizes` for results reported one item at a time."""
+    by_offsets: dict[str, dict[tuple[int, ...], Any]] = {}
+    for index, item in items.items():
+        md = metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata) or not isinstance(item, StoredItem) or index.offset is None:
+            continue
+        offsets = tuple(index.offset)
+        known = by_offsets.get(index.fqn)
+        if known is None:
+            known = by_offsets[index.fqn] = {tuple(c.offsets): c for c in md.chunks}
+        chunk = known.get(offsets)
+        if chunk is None:
+            continue  # a result the metadata has no chunk for: the commit's own checks refuse it
+        expected = math.prod(chunk.sizes) * torch.empty((), dtype=md.properties.dtype).element_size()
+        got = item.raw_length if item.transforms else item.data_length
+        if got != expected:
+            raise PlanMismatchError(
+                f"tensor {index.fqn!r}, chunk at offsets {offsets}: a rank stored {got} bytes, but the metadata "
+                f"records {md.properties.dtype} of shape {tuple(chunk.sizes)} ({expected} bytes); nothing was committed"
+            )
+
+
+def _check_raw_sizes(metadata: Metadata, stored: StoredColumns) -> None:
+    """(coordinator, before the commit) Every tensor chunk holds the raw bytes
+    its metadata entry describes: elements of the chunk's shape times the
+    recorded dtype's size. A rank that stored another dtype or shape than
+    the plan's (a stale cached plan) is caught here at the latest.
+
+    Raises:
+        PlanMismatchError: Naming the first key and chunk that differ.
+    """
+    rows = stored.rows
+    if not len(rows):
+        return
+    raw = np.where(rows[:, 5] >= 0, rows[:, 5], rows[:, 4])
+    for fqn, (start, stop) in stored.spans.items():
+        boxes = stored.chunks.get(fqn)
+        md = metadata.state_dict_metadata.get(fqn)
+        if boxes is None or not isinstance(md, TensorStorageMetadata):
+            continue
+        itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
+        expected = np.prod(boxes.sizes, axis=1, dtype=np.int64) * itemsize if len(boxes) else np.zeros(0, np.int64)
+        got = raw[start:stop]
+        if got.shape == expected.shape and bool((got == expected).all()):
+            continue
+        bad = int(np.flatnonzero(got != expected)[0]) if got.shape == expected.shape else 0
+        found = int(got[bad]) if bad < len(got) else None
+        raise PlanMismatchError(
+            f"tensor {fqn!r}, chunk at offsets {tuple(boxes.offsets[bad].tolist())}: a rank stored {found} bytes, "
+            f"but the metadata records {md.properties.dtype} of shape {tuple(boxes.sizes[bad].tolist())} "
+            f"({int(expected[bad])} bytes); nothing was committed"
+        )

@@ -1,11 +1,14 @@
 """``dcp-ext`` / ``python -m dcp_ext``: a thin command line over the library.
 
 Commands: ``ls ROOT``, ``inspect CHECKPOINT``, ``verify CHECKPOINT``,
-``export CHECKPOINT OUT``, ``prune ROOT --keep N [--dry-run]``, ``demo``.
+``export CHECKPOINT OUT``, ``prune ROOT --keep N [--dry-run]``, ``compact
+ROOT TAG``, ``locks ROOT [--break NAME]``, ``demo``.
 Paths are local paths or ``s3://`` URLs; S3 options come from
 ``--endpoint-url`` / ``--storage-options JSON`` or the usual AWS environment.
 Errors print one line and exit 2 (``--verbose`` shows the cause chain);
-``verify`` exits 1 when it finds damage.
+``verify`` exits 1 when it finds damage; ``prune`` exits 3 when checkpoints
+due for deletion were kept because a save in progress holds or builds on
+them (it prints which lock or lease, its holder, and how to clear it).
 """
 
 from __future__ import annotations
@@ -427,15 +430,33 @@ def cmd_prune(args: argparse.Namespace) -> int:
     keep_last = KeepLast(args.keep)
     policy: RetentionPolicy = keep_last | KeepEvery(args.keep_every) if args.keep_every else keep_last
     committed = len(root.committed())
-    doomed = root.apply_retention(policy, dry_run=args.dry_run)
+    report = root.retain(policy, dry_run=args.dry_run)
+    doomed = report.deleted
     for tag in doomed:
         print(f"{'would delete' if args.dry_run else 'deleted'} {tag}")
+    for tag, reason in report.held:
+        print(f"kept {tag} for now: {reason}")
     leftovers = None if args.dry_run else root.remove_leftovers()
     print(f"{len(doomed)} of {committed} partial checkpoints {'would be ' if args.dry_run else ''}deleted; "
-          f"newest is {root.newest_record()}")
+          f"newest is {root.newest_record()}" + (f"; {len(report.held)} due for deletion kept by saves in "
+                                                  f"progress (exit 3)" if report.held else ""))
     if leftovers is not None and (leftovers.uncommitted or leftovers.uploads or leftovers.temp_files):
         print(f"removed leftovers of crashed saves: {len(leftovers.uncommitted)} uncommitted checkpoint(s), "
               f"{len(leftovers.uploads)} incomplete upload(s), {len(leftovers.temp_files)} temporary file(s)")
+    return 3 if report.held else 0
+
+
+def cmd_locks(args: argparse.Namespace) -> int:
+    root = _open_root(args.root, _options(args))
+    if args.break_name:
+        broken = root.break_record(args.break_name, force=args.force)
+        print(f"removed {broken.name} ({broken.state.reason})")
+        return 0
+    records = root.records()
+    for record in records:
+        print(record.line())
+    if not records:
+        print(f"no save locks or leases under {root.url}")
     return 0
 
 
@@ -510,6 +531,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("root", help="checkpoint root")
     p.add_argument("tag", help="the checkpoint to rewrite")
     storage(p)
+    p = commands.add_parser(
+        "locks", help="list the save locks and leases under a root (holder, age, heartbeat, live or dead); "
+                      "--break NAME removes one whose holder is gone")
+    p.add_argument("root", help="checkpoint root")
+    p.add_argument("--break", dest="break_name", metavar="NAME",
+                   help="remove this lock or lease (as listed); refused while its holder is alive")
+    p.add_argument("--force", action="store_true", help="with --break: remove it even if it looks alive")
+    storage(p)
     demo.add_arguments(commands.add_parser("demo", help="save and load a sharded checkpoint across 2 local processes"))
     return parser
 
@@ -518,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     handlers = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export, "prune": cmd_prune,
-                "compact": cmd_compact}
+                "compact": cmd_compact, "locks": cmd_locks}
     try:
         if args.command == "demo":
             return demo.run(args.path, args.width, args.depth)

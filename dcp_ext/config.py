@@ -30,6 +30,15 @@ When to change them:
   attempts held a save for over 700 s, issue 32); raise the read timeout and
   the deadline for an endpoint that is slow to answer (a busy gateway, a
   server far away), lower them to fail over sooner.
+* ``heartbeat_interval``, ``heartbeat_timeout``, ``clock_skew_tolerance``:
+  a save in flight renews its lock and lease every ``heartbeat_interval``
+  (15 s); a record not renewed for ``heartbeat_timeout`` (180 s) counts as
+  dead on every host, so a crashed host holds up the next save, pruning and
+  compaction of its checkpoints that long. Lower the timeout for faster
+  takeover on reliable storage; keep it well above the interval plus the
+  storage's worst request time (``s3_request_deadline``), or a slow renewal
+  makes a live save look dead. ``clock_skew_tolerance`` (60 s) is how far in
+  the future another host's times are believed (:mod:`dcp_ext.guard._liveness`).
 """
 
 from __future__ import annotations
@@ -48,7 +57,10 @@ _GIB = 1024 * 1024 * 1024
 _SIZE_FIELDS = frozenset(
     {"part_size", "read_request_size", "coalesce_gap", "read_buffer_bytes", "frame_size"}
 )
-_SECONDS_FIELDS = frozenset({"s3_connect_timeout", "s3_read_timeout", "s3_request_deadline"})
+_SECONDS_FIELDS = frozenset({
+    "s3_connect_timeout", "s3_read_timeout", "s3_request_deadline",
+    "heartbeat_interval", "heartbeat_timeout", "clock_skew_tolerance",
+})
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -179,6 +191,15 @@ class IOConfig:
             ``DCP_EXT_S3_REQUEST_DEADLINE``. ``storage_options``'
             ``config_kwargs`` ``connect_timeout``/``read_timeout`` take
             precedence over the two timeouts (and count in the deadline).
+        heartbeat_interval: Seconds between renewals of the save locks and
+            leases this process holds. Environment: ``DCP_EXT_HEARTBEAT_INTERVAL``.
+        heartbeat_timeout: Seconds after its last renewal at which a lock
+            or lease counts as dead, whichever host wrote it (at least three
+            intervals). Written into each record, so other jobs judge it by
+            the holder's own setting. Environment: ``DCP_EXT_HEARTBEAT_TIMEOUT``.
+        clock_skew_tolerance: Seconds another host's (or the storage's)
+            clock may run ahead of this one's and its times still be
+            believed. Environment: ``DCP_EXT_CLOCK_SKEW_TOLERANCE``.
     """
 
     part_size: int = 16 * _MIB
@@ -197,6 +218,9 @@ class IOConfig:
     s3_connect_timeout: float = 5.0
     s3_read_timeout: float = 20.0
     s3_request_deadline: float = 60.0
+    heartbeat_interval: float = 15.0
+    heartbeat_timeout: float = 180.0
+    clock_skew_tolerance: float = 60.0
 
     def __post_init__(self) -> None:
         if self.part_size < 5 * _MIB:
@@ -227,11 +251,17 @@ class IOConfig:
             raise ValueError(f"metadata_version must be 2 or 3, got {self.metadata_version}")
         if self.key_prefixes < 0:
             raise ValueError(f"key_prefixes must be >= 0, got {self.key_prefixes}")
-        for name in ("s3_connect_timeout", "s3_read_timeout", "s3_request_deadline"):
+        for name in ("s3_connect_timeout", "s3_read_timeout", "s3_request_deadline", "heartbeat_interval",
+                     "heartbeat_timeout", "clock_skew_tolerance"):
             value = getattr(self, name)
             # A NaN would compare false everywhere and disable the bound.
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.heartbeat_timeout < 3 * self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout:g} s) must be at least three heartbeat intervals "
+                f"({3 * self.heartbeat_interval:g} s): one late renewal must not make a live save look dead"
+            )
         if self.s3_request_deadline < self.s3_connect_timeout + self.s3_read_timeout:
             raise ValueError(
                 f"s3_request_deadline ({self.s3_request_deadline:g} s) must leave room for one attempt: at least "

@@ -30,6 +30,7 @@ partition record. Retention rules are in :mod:`dcp_ext.root._retention`; I/O in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable
@@ -255,6 +256,35 @@ class FileAssignment:
     prefix: str = ""
     by_kind: tuple[tuple[str, str], ...] = ()
     replicated_apart: bool = False
+
+    def names(self, files_per_rank: int) -> list[str]:
+        """Every file name this assignment can give (by kind, or the prefix's ``files_per_rank`` names)."""
+        if self.by_kind:
+            return [name for _, name in self.by_kind]
+        return [f"{self.prefix}{k}{DATA_SUFFIX}" for k in range(files_per_rank)]
+
+    def avoiding(self, taken: set[str], files_per_rank: int) -> tuple[FileAssignment, dict[str, str]]:
+        """This assignment with every name in ``taken`` replaced by a free
+        generation of it (``model_rank0.distcp`` -> ``model_rank0.g1.distcp``,
+        prefix ``__0_`` -> ``__0_g1_``), and the names it replaced: an
+        overwrite writes beside the checkpoint it replaces."""
+        if self.by_kind:
+            renamed: dict[str, str] = {}
+            pairs = []
+            for kind, name in self.by_kind:
+                if name in taken:
+                    stem = name[: -len(DATA_SUFFIX)]
+                    renamed[name] = next(f"{stem}.g{n}{DATA_SUFFIX}" for n in range(1, len(taken) + 2)
+                                         if f"{stem}.g{n}{DATA_SUFFIX}" not in taken)
+                pairs.append((kind, renamed.get(name, name)))
+            return dataclasses.replace(self, by_kind=tuple(pairs)), renamed
+        if not taken.intersection(self.names(files_per_rank)):
+            return self, {}
+        for n in range(1, len(taken) + 2):
+            moved = dataclasses.replace(self, prefix=f"{self.prefix}g{n}_")
+            if not taken.intersection(moved.names(files_per_rank)):
+                return moved, dict(zip(self.names(files_per_rank), moved.names(files_per_rank)))
+        raise AssertionError("unreachable: more generations than taken names")  # pragma: no cover
 
     def files_for(self, items: list[WriteItem], files_per_rank: int) -> list[tuple[str, list[WriteItem]]]:
         """``(file name, items)`` for each file this rank writes."""
@@ -531,6 +561,14 @@ class Partition:
     ranks: tuple[RankPartition, ...] = field(default=())
     nodes: tuple[int, ...] = ()
     partners: tuple[int, ...] = ()
+
+    def with_files_renamed(self, renamed: dict[str, str]) -> Partition:
+        """The partition with each rank's file names mapped through ``renamed``
+        (the writer's names for an overwrite: :meth:`FileAssignment.avoiding`)."""
+        if not renamed:
+            return self
+        ranks = tuple(dataclasses.replace(r, files=tuple(renamed.get(f, f) for f in r.files)) for r in self.ranks)
+        return dataclasses.replace(self, ranks=ranks)
 
     def to_json(self, version: int = 3) -> bytes:
         """The record as ``partition.json``.

@@ -143,10 +143,14 @@ def test_abandoned_locks_are_taken_over(tmp_path: Path) -> None:
     import socket
     import time
 
+    from dcp_ext.guard import this_process
+
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     state = {"w": torch.ones(4)}
+    me = this_process()  # a record of this host, boot and PID namespace: judged by its process
     cases = [
-        ({"save_id": "x", "started": time.time(), "host": socket.gethostname(), "pid": int(dead.stdout)}, True),
+        ({"save_id": "x", "started": time.time(), "host": socket.gethostname(), "pid": int(dead.stdout),
+          "boot_id": me.boot_id, "pid_ns": me.pid_ns}, True),
         ({"save_id": "x", "started": time.time() - 7200, "host": "elsewhere", "pid": 1}, True),
         ({"save_id": "x", "started": time.time(), "host": "elsewhere", "pid": 1}, False),
     ]

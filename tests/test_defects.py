@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import dcp_ext
+from dcp_ext.guard import this_process
 from dcp_ext.cli import main as cli_main
 from tests.support.compare import assert_same_state
 from tests.support.dist import run_world
@@ -46,9 +47,11 @@ def _load(path: str, options: dict[str, Any] | None = None) -> dict[str, torch.T
 
 
 def _lock_record(pid: int, host: str | None = None, started: float | None = None) -> bytes:
+    """A lock record as a process of this host (boot, PID namespace) writes it."""
+    me = this_process()
     return json.dumps({
         "save_id": "other-job", "started": time.time() if started is None else started,
-        "host": host or socket.gethostname(), "pid": pid,
+        "host": host or socket.gethostname(), "pid": pid, "boot_id": me.boot_id, "pid_ns": me.pid_ns,
     }).encode()
 
 

@@ -8,14 +8,12 @@ other processes, on local disk and on SeaweedFS.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,67 +22,19 @@ from torch import nn
 
 import dcp_ext
 from dcp_ext.errors import CheckpointInUseError, ForeignCheckpointError
+from dcp_ext.guard._liveness import this_process
 from dcp_ext.guard._save_lock import _process_stat
 from dcp_ext.layout import InvalidTagError
 from dcp_ext.layout import RETIRED_FILE, strays_marker
 from tests.support.backends import Backend, backend_for
 from tests.support.root_jobs import model_at
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _same(model: nn.Module, step: int) -> bool:
-    expected = model_at(step).state_dict()
-    got = model.state_dict()
-    return got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
-
-
-def _loads(manager: dcp_ext.CheckpointManager, tag: str, step: int) -> bool:
-    """Whether ``tag`` resumes into a fresh model equal to ``model_at(step)``, bit for bit."""
-    model = model_at(0)
-    manager.resume(model, tag=tag)
-    return _same(model, step)
-
-
-def _manager(backend: Backend, root: str, **kwargs: Any) -> dcp_ext.CheckpointManager:
-    return dcp_ext.CheckpointManager(root, storage_options=backend.storage_options, incremental=True, **kwargs)
-
-
-def _env(backend: Backend, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
-class _PausedJob:
-    """A save of ``tag`` (tests/support/root_jobs.py) in another process,
-    paused at ``point`` until :meth:`go`."""
-
-    def __init__(self, backend: Backend, root: str, tag: str, step: int, gate: Path, keep: int | None = None,
-                 point: str = "before_metadata") -> None:
-        self.gate = gate
-        args = [sys.executable, "-m", "tests.support.root_jobs", root, json.dumps(backend.storage_options), tag,
-                str(step)] + ([str(keep)] if keep else [])
-        self.proc = subprocess.Popen(args, cwd=REPO, env=_env(backend, DCP_EXT_PAUSE_AT=point,
-                                                              DCP_EXT_PAUSE_FILE=str(gate)),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 120
-        while not Path(f"{gate}.reached").exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the job never reached {point}: {self.proc.communicate()}")
-            time.sleep(0.05)
-
-    def go(self) -> tuple[int, str]:
-        self.gate.touch()
-        _, err = self.proc.communicate(timeout=120)
-        return self.proc.returncode, err
-
-
-def _cli(backend: Backend, *args: str) -> subprocess.CompletedProcess[str]:
-    options = ["--storage-options", json.dumps(backend.storage_options)] if backend.storage_options else []
-    return subprocess.run([sys.executable, "-m", "dcp_ext", *options, *args], cwd=REPO, env=_env(backend),
-                          capture_output=True, text=True, timeout=120)
+from tests.support.root_cli import REPO
+from tests.support.root_cli import PausedJob as _PausedJob
+from tests.support.root_cli import env as _env
+from tests.support.root_cli import loads as _loads
+from tests.support.root_cli import manager as _manager
+from tests.support.root_cli import run_cli as _cli
 
 
 def test_tag_reuse_never_rewrites_files_others_refer_to(tmp_path: Path) -> None:
@@ -212,7 +162,9 @@ def test_failed_save_is_cleaned_up_by_the_next_one(tmp_path: Path) -> None:
     foreign.mkdir()
     (foreign / "data.distcp").write_bytes(b"someone else's")
     # A deleter killed while linking its lock into place in a committed directory.
-    dead = {"save_id": "d", "started": time.time(), "host": socket.gethostname(), "pid": 1, "pid_start": 0}
+    me = this_process()  # the lock rule judges records of this host, boot and PID namespace by their process
+    dead = {"save_id": "d", "started": time.time(), "host": socket.gethostname(), "pid": 1, "pid_start": 0,
+            "boot_id": me.boot_id, "pid_ns": me.pid_ns}
     (root / "ok_partial" / ".dcp_ext.saving.dcp_ext-tmp-0123456789ab").write_text(json.dumps(dead))
     # A save killed between writing its lock record and linking it into place
     # (bench.torture --incremental, 2026-11-27: this directory stayed for the

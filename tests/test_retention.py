@@ -75,8 +75,10 @@ def test_steady_state_saves_on_s3_cost_a_bounded_number_of_requests(make_backend
     # The lock, newest, the head of each of the 3 committed tags retention
     # chooses from, and the same 3 heads again once it holds the lock of the
     # tag it deletes (what another job may have committed meanwhile, and
-    # whether the doomed tag was saved again: dcp_ext.root._root's one rule).
-    assert calls["GetObject"] <= 8, calls
+    # whether the doomed tag was saved again: dcp_ext.root._root's one rule),
+    # and the lock once more just before the commit (a save whose lock was
+    # taken over never commits: issue 40's heartbeat rule).
+    assert calls["GetObject"] <= 9, calls
     assert sum(calls.values()) <= 40, calls
     assert manager.checkpoints.store.list_dirs() == ["s3_partial", "s4_partial"]
     manager.close()

@@ -191,8 +191,11 @@ def test_existing_checkpoint_is_protected_then_overwritten_cleanly(tmp_path) -> 
     out = {"a": torch.zeros(3), "b": torch.zeros(2)}
     dcp_ext.load(out, url)
     assert torch.equal(out["a"], torch.full((3,), 7.0))
+    # The new data went beside the old (which stayed loadable until the commit); the old files are gone.
     names = sorted(os.listdir(url))
-    assert names == [".metadata", "__0_0.distcp", "__0_1.distcp", "dcp_ext.metadata.json"]
+    assert names == [".metadata", "__0_g1_0.distcp", "__0_g1_1.distcp", "dcp_ext.metadata.json"]
+    dcp_ext.save({"a": torch.full((3,), 8.0)}, url, overwrite=True, files_per_rank=2)
+    assert sorted(os.listdir(url)) == [".metadata", "__0_0.distcp", "dcp_ext.metadata.json"]  # one item: one file
 
 
 def test_restricted_unpickler_refuses_code(tmp_path) -> None:

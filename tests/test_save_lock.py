@@ -76,7 +76,7 @@ def test_lock_rules(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     lock.release()
     assert not store.exists(LOCK_FILE)
     # This process's lock whose save is gone (never released): abandoned.
-    assert store.create_exclusive(LOCK_FILE, LockRecord("gone", time.time(), socket.gethostname(), os.getpid()).to_json())
+    assert store.create_exclusive(LOCK_FILE, LockRecord.mine("gone").to_json())
     state = lock_state(store)
     assert state is not None and not state.live and "exited" in state.reason
     taker = SaveLock(store, "taker")

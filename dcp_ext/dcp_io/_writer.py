@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import uuid
@@ -56,17 +57,15 @@ from torch.futures import Future
 
 from .._runtime import crash_point, release_free_memory
 from ..config import IOConfig
-from ..errors import CheckpointExistsError, DcpExtError, PostCommitError
+from ..errors import CheckpointExistsError, DcpExtError, PlanMismatchError, PostCommitError
 from ..format import DTYPES, Codec, resolve_codec, tensor_bytes, torch_save_envelope
 from ..frames import FrameEncoder
 from ..guard import LOCK_FILE, SaveLock, check_reuse
 from ..incremental import BaseFrames, IncrementalSave, read_base
 from ..layout import (
     DATA_SUFFIX,
-    RETIRED_FILE,
     FileAssignment,
     item_nbytes,
-    spread_name,
 )
 from ..metadata import (
     METADATA_FILE,
@@ -80,7 +79,8 @@ from ..metadata.document import FrameIndexRef
 from ..metadata.frame_index import encode_frame_index
 from ..metadata.stored_columns import StoredColumns
 from ..planning import LayoutSavePlanner, collect_stored, pack_results
-from ..storage import TMP_MARK, Store, normalize_path, open_store
+from ..storage import Store, normalize_path, open_store
+from ._replacing import assign_beside, committed_with, remove_replaced
 from ._staging import copy_state
 
 __all__ = ["CheckpointWriter"]
@@ -125,7 +125,12 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         fsync: fsync files before commit (local/POSIX; default True).
         before_commit: Called by the coordinator with the checkpoint's store
             after all data is durable and before the metadata commits it;
-            extra files written there are part of the checkpoint.
+            extra files written there are part of the checkpoint. When it
+            replaces a committed checkpoint (``overwrite``), the old one is
+            un-committed just before this call. A hook with a
+            ``with_renamed(mapping)`` method is first given the data files
+            the overwrite wrote under new names (planned -> written) and the
+            hook it returns is called instead.
         after_commit: Called by the coordinator after the commit; an error
             it raises reaches every rank as ``PostCommitError`` (the
             checkpoint stays committed).
@@ -204,6 +209,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.incremental = incremental
         #: This save's view of its base (incremental saves; set by write_data).
         self.base_frames: BaseFrames | None = None
+        #: (coordinator) An overwrite's data files named apart from the old
+        #: checkpoint's: planned name -> the name written (set by prepare_global_plan).
+        self.renamed: dict[str, str] = {}
+        self._replacing: list[str] = []
 
     # -- helpers ----------------------------------------------------------------
     @property
@@ -243,6 +252,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         # storage, where it now counts as abandoned (its save is gone).
         self._lock = None
         self._strays = None
+        self.renamed = {}
+        self._replacing = []
         if checkpoint_id:
             new_path = normalize_path(checkpoint_id)
             if new_path != self.path:
@@ -269,29 +280,29 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """(coordinator) Take the save lock, protect existing checkpoints, name every rank's files."""
+        """(coordinator) Take the save lock, protect existing checkpoints, name every rank's files.
+
+        An overwrite leaves the checkpoint it replaces committed while the new
+        data is written: a rank's file whose name the old checkpoint's
+        directory holds gets a free generation of it (``model_rank0.g1.distcp``),
+        and the old checkpoint is un-committed only in :meth:`finish`.
+        """
         store = self.store
         self._refuse_existing(store)  # the clearer error, before the lock's
-        self._lock = SaveLock(store, self.save_id)
+        self._lock = SaveLock(store, self.save_id, self.config)
         self._lock.acquire()
         try:
             # Checked again under the lock: a save that held it may have committed.
             existing = self._refuse_existing(store)
             # The root's one rule (dcp_ext.root): files another tag refers to stay.
             self._strays = check_reuse(self.path, store, bool(existing), self.config, self.storage_options)
-            for name in existing:
-                store.delete(name)  # un-commit the old checkpoint before touching its data
+            taken = {name for name in store.list_tree() if name.endswith(DATA_SUFFIX)} if existing else set()
         except BaseException:
             self._release_lock()
             raise
-        return [
-            plan
-            if isinstance(plan.storage_data, FileAssignment)
-            else dataclasses.replace(
-                plan, storage_data=FileAssignment(prefix=spread_name(f"__{rank}_", rank, self.config.key_prefixes))
-            )
-            for rank, plan in enumerate(plans)
-        ]
+        self._replacing = existing
+        answers, self.renamed = assign_beside(plans, taken, self.config)
+        return answers
 
     def _refuse_existing(self, store: Store) -> list[str]:
         """The metadata files of a committed checkpoint at the path (torch's
@@ -407,14 +418,22 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         if metadata.storage_meta is None:
             metadata.storage_meta = self.storage_meta()
         if self.before_commit is not None:
-            self.before_commit(store)
+            # Its files replace the old checkpoint's (partition.json, user
+            # content): un-commit the old one first, so that a crash in
+            # between leaves no old checkpoint with the new files.
+            self._uncommit_replaced(store)
+            hook = self.before_commit
+            renaming = getattr(hook, "with_renamed", None)
+            (renaming(dict(self.renamed)) if renaming is not None else hook)(store)
+        if self._lock is not None:
+            self._lock.check_held()  # a save judged dead meanwhile (stopped past the heartbeat timeout) never commits
         # Torch's pickle first, for torch's readers (they cannot decode our
         # compressed frames, so compressed checkpoints get none, nor do large
         # ones: see IOConfig.torch_metadata_chunks); our JSON last: the commit.
         compressed = bool(items.codecs) if isinstance(items, StoredColumns) else any(
             item.transforms for item in items.values()
         )
-        incremental = self._incremental_section(items)
+        incremental = _incremental_section(self.incremental, self.base_frames, items)
         store.write_file(
             METADATA_FILE,
             encode_metadata(metadata, items, world_size=len(results), version=self.config.metadata_version,
@@ -433,10 +452,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                          else torch_reader_marker(reason))
         # Old files go while the lock is still held: a save that takes it next
         # may write files this one does not name.
-        self._remove_leftovers(
-            {name for name, _, _ in items.files} if isinstance(items, StoredColumns)
-            else {item.relative_path for item in items.values()}
-        )
+        remove_replaced(store, {name for name, _, _ in items.files} if isinstance(items, StoredColumns)
+                        else {item.relative_path for item in items.values()}, self._strays)
+        self._strays = None
         self._release_lock()
         if self.after_commit is not None:
             try:
@@ -446,38 +464,12 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             except Exception as err:
                 raise PostCommitError(f"checkpoint {store.url} committed, but {err}", store.url) from err
 
-    def _incremental_section(self, items: Any) -> dict[str, Any] | None:
-        """(coordinator) The metadata's ``incremental`` section: the base, the
-        chain length, and every earlier checkpoint's file its frames refer to."""
-        if self.incremental is None:
-            return None
-        base = self.base_frames or BaseFrames()
-        references = items.references if isinstance(items, StoredColumns) else {}
-        chain = base.own_chain
-        if references and chain == 0:  # pragma: no cover - a rank referred although the coordinator's base was not referable
-            raise RuntimeError("a rank referred to its base's frames although this save starts a chain")
-        return {
-            "base": self.incremental.base_tag if base.referable else None,
-            "chain": chain,
-            "references": [[name, nbytes] for name, nbytes in sorted(references.items())],
-            "sizes": [[name, base.file_sizes[name]] for name in sorted(references) if name in base.file_sizes],
-        }
-
-    def _remove_leftovers(self, keep: set[str]) -> None:
-        """(coordinator, holding the lock, after the commit) Delete data files
-        of the checkpoint this one replaced that it does not use, temporary
-        files, a retired marker, then the root's strays marker."""
-        store = self.store
-        try:
-            for name in store.list_tree():  # data files under key prefixes too
-                stale_data = name.endswith(DATA_SUFFIX) and name not in keep
-                if stale_data or TMP_MARK in name or name == RETIRED_FILE:
-                    store.delete(name)
-            if self._strays is not None:
-                self._strays[0].delete(self._strays[1])
-                self._strays = None
-        except Exception as err:  # the checkpoint is committed; this is tidying
-            log.warning("could not remove leftover files in %s: %s", store.url, err)
+    def _uncommit_replaced(self, store: Store) -> None:
+        """(coordinator, finish) Un-commit the checkpoint this save replaces:
+        torch's metadata, then dcp_ext's. Until now it stayed loadable."""
+        for name in self._replacing:
+            store.delete(name)
+        self._replacing = []
 
     def remove_own_files(self) -> None:
         """(each rank) Delete the data files this rank committed in the current
@@ -493,7 +485,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         """
         if self._written:
             try:
-                committed = self.store.exists(METADATA_FILE)
+                committed = committed_with(self.store, self._written)
             except DcpExtError as err:
                 log.warning("not removing this rank's files in %s: %s", self.store.url, err)
                 committed = True
@@ -544,6 +536,25 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
 
 
+def _incremental_section(incremental: IncrementalSave | None, base_frames: BaseFrames | None,
+                         items: Any) -> dict[str, Any] | None:
+    """(coordinator) The metadata's ``incremental`` section: the base, the
+    chain length, and every earlier checkpoint's file its frames refer to."""
+    if incremental is None:
+        return None
+    base = base_frames or BaseFrames()
+    references = items.references if isinstance(items, StoredColumns) else {}
+    chain = base.own_chain
+    if references and chain == 0:  # pragma: no cover - a rank referred although the coordinator's base was not referable
+        raise RuntimeError("a rank referred to its base's frames although this save starts a chain")
+    return {
+        "base": incremental.base_tag if base.referable else None,
+        "chain": chain,
+        "references": [[name, nbytes] for name, nbytes in sorted(references.items())],
+        "sizes": [[name, base.file_sizes[name]] for name in sorted(references) if name in base.file_sizes],
+    }
+
+
 def _append_frame_index(writer: Any, stored: list[StoredItem]) -> list[StoredItem]:
     """Write the file's frame index at its end; the items without their frame
     tables (they travel to the coordinator, which needs only where items lie)."""
@@ -572,12 +583,33 @@ def _tensor_for_storage(data: Any, item: WriteItem) -> torch.Tensor:
         tensor = tensor.to("cpu")
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    if item.tensor_data is not None and tuple(tensor.shape) != tuple(item.tensor_data.chunk.sizes):
-        raise ValueError(
-            f"tensor {fqn!r} has shape {tuple(tensor.shape)} but the save plan expects "
-            f"{tuple(item.tensor_data.chunk.sizes)}"
-        )
+    _check_against_plan(tensor, item)
     return tensor
+
+
+def _check_against_plan(tensor: torch.Tensor, item: WriteItem) -> None:
+    """Refuse a tensor whose dtype, shape or byte size is not what the save
+    plan (and so the metadata this save commits) records for ``item``: a
+    stale plan must never commit numbers the metadata describes otherwise."""
+    planned = item.tensor_data
+    if planned is None:
+        return
+    fqn = item.index.fqn
+    dtype = planned.properties.dtype if planned.properties is not None else None
+    if dtype is not None and tensor.dtype != dtype:
+        raise PlanMismatchError(
+            f"tensor {fqn!r} is {tensor.dtype}, but the save plan records it as {dtype}; "
+            f"nothing was committed (a plan cached by another planner than dcp_ext's LayoutSavePlanner?)"
+        )
+    sizes = tuple(planned.chunk.sizes) if planned.chunk is not None else tuple(planned.size)
+    if tuple(tensor.shape) != sizes:
+        raise PlanMismatchError(
+            f"tensor {fqn!r} has shape {tuple(tensor.shape)} but the save plan expects {sizes}; "
+            f"nothing was committed"
+        )
+    expected = math.prod(sizes) * tensor.element_size()
+    if tensor.nbytes != expected:  # pragma: no cover - implied by dtype and shape for dense tensors
+        raise PlanMismatchError(f"tensor {fqn!r} holds {tensor.nbytes} bytes, but the save plan expects {expected}")
 
 
 def _raw_view(data: Any, item: WriteItem) -> tuple[torch.Tensor | None, memoryview]:

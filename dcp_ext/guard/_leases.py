@@ -33,6 +33,7 @@ from typing import Any
 from ..config import IOConfig
 from ..errors import DcpExtError
 from ..storage import Store, open_store
+from ._heartbeat import Renewal, renew_while_held, stop_renewing
 from ._save_lock import LockRecord, LockState, file_state, forget, hold
 
 __all__ = ["LEASE_PREFIX", "LEASE_SUFFIX", "Lease", "is_lease_name", "live_leases"]
@@ -69,9 +70,10 @@ class Lease:
         self.storage_options = dict(storage_options or {})
         self.id = uuid.uuid4().hex
         self.name = f"{LEASE_PREFIX}{self.id}{LEASE_SUFFIX}"
-        self.record = LockRecord.mine(self.id, tag=tag, base=base)
+        self.record = LockRecord.mine(self.id, tag=tag, base=base, timeout=config.heartbeat_timeout)
         self.held = False
         self._store: Store | None = None
+        self._renewal: Renewal | None = None
 
     @property
     def store(self) -> Store:
@@ -82,17 +84,20 @@ class Lease:
     def __getstate__(self) -> dict[str, Any]:
         # Open stores hold clients and sockets; the copy opens its own. The
         # lease stays counted as held by the process that took it.
-        return {**self.__dict__, "_store": None}
+        return {**self.__dict__, "_store": None, "_renewal": None}
 
     def take(self) -> None:
         """(coordinator) Write the lease; from now on no deleter touches the base."""
         self.store.write_file(self.name, self.record.to_json())
         hold(self.id, self)
         self.held = True
+        self._renewal = renew_while_held(self, self.store, self.name, self.record, self.config.heartbeat_interval)
 
     def end(self) -> None:
         """(coordinator) Delete the lease (after the commit, or the failure)."""
         forget(self.id)
+        stop_renewing(self._renewal)
+        self._renewal = None
         if not self.held:
             return
         self.held = False

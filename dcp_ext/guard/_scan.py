@@ -64,12 +64,14 @@ class RootScan:
     def pinned_by(self, tag: str) -> str | None:
         """Why ``tag`` must stay as it is (a live save builds on it), or ``None``."""
         for lease in self.leases:
+            state = lease.state
             if lease.base is None:
-                return f"a save in progress whose lease cannot be read ({lease.state.reason})"
+                return (f"a save in progress whose lease {state.where} cannot be read may build on it "
+                        f"({state.reason}); {state.advice()}")
             if lease.base == tag:
-                record = lease.state.record
+                record = state.record
                 saving = f"{record.tag!r} " if record is not None and record.tag else ""
-                return f"the save of {saving}builds on it ({lease.state.reason})"
+                return f"the save of {saving}builds on it (lease {state.where}: {state.reason}); {state.advice()}"
         return None
 
     def referrers(self, tag: str) -> list[str]:

@@ -16,6 +16,7 @@ every rank through DCP, for synchronous and asynchronous saves alike.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -285,16 +286,25 @@ class PartialCheckpoints:
 
 @dataclass(frozen=True)
 class CommitFiles:
-    """(coordinator, the writer's ``before_commit``) Write ``user_content`` and ``partition.json``."""
+    """(coordinator, the writer's ``before_commit``) Write ``user_content`` and ``partition.json``.
+
+    Attributes:
+        renamed: Data files an overwrite wrote beside the old checkpoint's
+            under new names (planned -> written), recorded in the partition.
+    """
 
     user_content: bytes | None
     planner: LayoutSavePlanner
+    renamed: tuple[tuple[str, str], ...] = ()
+
+    def with_renamed(self, renamed: dict[str, str]) -> CommitFiles:
+        return dataclasses.replace(self, renamed=tuple(sorted(renamed.items())))
 
     def __call__(self, store: Store) -> None:
         if self.user_content is not None:
             store.write_file(USER_CONTENT_FILE, self.user_content)
         if self.planner.partition is not None:
-            store.write_file(PARTITION_FILE, self.planner.partition.to_json())
+            store.write_file(PARTITION_FILE, self.planner.partition.with_files_renamed(dict(self.renamed)).to_json())
 
 
 @dataclass(frozen=True)
@@ -313,9 +323,11 @@ class PostCommit:
             raise PostCommitError(f"checkpoint {tag!r} committed, but updating newest failed: {err}") from err
         if self.policy is not None:
             try:
-                self.checkpoints.apply_retention(self.policy, protect={tag})
+                report = self.checkpoints.retain(self.policy, protect={tag})
             except DcpExtError as err:
                 raise PostCommitError(f"checkpoint {tag!r} committed, but retention failed: {err}") from err
+            for kept, reason in report.held:
+                log.warning("retention keeps %r for now: %s", kept, reason)
         try:
             self.checkpoints.remove_leftovers(current=tag)
         except DcpExtError as err:  # the checkpoint is committed; this is tidying

@@ -54,10 +54,11 @@ class TagDirectories:
         call it *after* taking the save locks of the directories you will change."""
         return scan_root(self.root, self.partial_store)
 
-    def lock(self, tag: str, purpose: str, refuse: bool) -> SaveLock | None:
+    def lock(self, tag: str, purpose: str, refuse: bool, held: dict[str, str] | None = None) -> SaveLock | None:
         """Take the save lock of ``{tag}_partial`` for a deleting step (taking
         over an abandoned one); ``None`` (or, with ``refuse``,
-        :class:`CheckpointInUseError`) when a live save holds it."""
+        :class:`CheckpointInUseError`) when a live save holds it, whose
+        reason then goes into ``held`` under ``tag``."""
         lock = SaveLock(self.partial_store(tag), f"{purpose}-{uuid.uuid4().hex}")
         try:
             lock.acquire()
@@ -65,6 +66,8 @@ class TagDirectories:
             if refuse:
                 raise CheckpointInUseError(f"cannot {purpose} {tag!r} now: {err}", self.partial_url(tag)) from err
             log.info("not touching %s now (%s): %s", partial_dir(tag), purpose, err)
+            if held is not None:
+                held[tag] = str(err)
             return None
         return lock
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from .._runtime import crash_point
@@ -63,11 +64,29 @@ from ..storage import TMP_MARK, Store, join_path, normalize_path, open_store
 from ._cleanup import LeftoverCleanup, LeftoverReport
 from ._compact import CompactReport, compact
 from ._deletion import TagDirectories
+from ._records import HeldRecord, break_record, list_records
 from ._retention import RetentionPolicy, select_for_deletion
 
-__all__ = ["CheckpointRoot", "LeftoverReport"]
+__all__ = ["CheckpointRoot", "LeftoverReport", "RetentionReport"]
+
+
+@dataclass(frozen=True)
+class RetentionReport:
+    """What one pass of retention did.
+
+    Attributes:
+        deleted: The tags deleted (or that would be, in a dry run), oldest first.
+        held: The tags due for deletion that were left for a later pass, each
+            with why (a save in progress holds or builds on it: the lock or
+            lease file, its holder and how to clear it).
+    """
+
+    deleted: tuple[str, ...] = ()
+    held: tuple[tuple[str, str], ...] = ()
+
 
 log = logging.getLogger("dcp_ext.root")
+
 
 class CheckpointRoot:
     """The checkpoints under one root path.
@@ -267,7 +286,8 @@ class CheckpointRoot:
         self._delete_tags([validate_tag(tag)], refuse=True)
 
     def _delete_tags(
-        self, tags: Iterable[str], *, refuse: bool, heads: dict[str, bytes] | None = None
+        self, tags: Iterable[str], *, refuse: bool, heads: dict[str, bytes] | None = None,
+        held: dict[str, str] | None = None,
     ) -> list[str]:
         """Delete the committed checkpoints ``tags`` by the one rule: lock,
         scan, leave a leased base (or refuse), un-commit, delete what no
@@ -279,14 +299,16 @@ class CheckpointRoot:
                 go now (else it is left for a later pass).
             heads: The first bytes of each tag's metadata when it was chosen
                 (retention): a tag that changed since (overwritten) stays.
+            held: Receives, for each tag left for a later pass, why.
 
         Returns:
             The tags deleted.
         """
+        held = {} if held is None else held
         locks: dict[str, SaveLock] = {}
         try:
             for tag in tags:
-                lock = self._tags.lock(tag, "delete", refuse)
+                lock = self._tags.lock(tag, "delete", refuse, held)
                 if lock is not None:
                     locks[tag] = lock
             if not locks:
@@ -307,6 +329,7 @@ class CheckpointRoot:
                     if refuse:
                         raise CheckpointInUseError(f"cannot delete {tag!r} now: {reason}", self.partial_url(tag))
                     log.info("not deleting %s now: %s", partial_dir(tag), reason)
+                    held[tag] = reason
                     continue
                 doomed.append(tag)
             referenced = scan.referenced(exclude=doomed)
@@ -333,25 +356,37 @@ class CheckpointRoot:
         return list(self._cleanup.sweep({tag: "retired" for tag in retired}, {}).retired)
 
     def apply_retention(self, policy: RetentionPolicy, protect: Collection[str] = (), *, dry_run: bool = False) -> list[str]:
+        """Delete the committed checkpoints ``policy`` does not keep (see
+        :meth:`retain`, which also says which were left for a later pass and why).
+
+        Returns:
+            The tags deleted (or that would be, with ``dry_run``), oldest first.
+        """
+        return list(self.retain(policy, protect, dry_run=dry_run).deleted)
+
+    def retain(self, policy: RetentionPolicy, protect: Collection[str] = (), *, dry_run: bool = False) -> RetentionReport:
         """Delete the committed checkpoints ``policy`` does not keep; never the
         ``newest`` target, a tag in ``protect``, or one that a save in
-        progress builds on (it goes in a later pass). Data files that a kept
-        (incremental) checkpoint refers to stay (see :meth:`delete`); older
-        retired directories this frees are removed by
+        progress holds or builds on (it goes in a later pass, and the report
+        says why: the lock or lease file, its holder and how to clear it).
+        Data files that a kept (incremental) checkpoint refers to stay (see
+        :meth:`delete`); older retired directories this frees are removed by
         :meth:`remove_leftovers`, which every caller runs next (one sweep per
         save, not two).
 
         Returns:
-            The tags deleted (or that would be, with ``dry_run``), oldest first.
+            A :class:`RetentionReport`.
         """
         newest = self.newest_record()
         keep = set(protect) | ({newest} if newest else set())
         heads = self._committed_heads()
         doomed = select_for_deletion([info for info, _ in heads], policy, protect=keep)
         if dry_run or not doomed:
-            return doomed
+            return RetentionReport(tuple(doomed))
         first = {info.tag: head for info, head in heads}
-        return self._delete_tags(doomed, refuse=False, heads={tag: first[tag] for tag in doomed})
+        held: dict[str, str] = {}
+        deleted = self._delete_tags(doomed, refuse=False, heads={tag: first[tag] for tag in doomed}, held=held)
+        return RetentionReport(tuple(deleted), tuple(sorted(held.items())))
 
     def compact(self, tag: str) -> CompactReport:
         """(one process) Rewrite the incremental checkpoint ``tag``
@@ -392,6 +427,22 @@ class CheckpointRoot:
             lock.release()
         self.sweep_retired()
         return report
+
+    def records(self) -> list[HeldRecord]:
+        """(one process) Every save lock and lease under the root, judged by
+        the one liveness rule: who holds what (``dcp-ext locks ROOT``)."""
+        return list_records(self.store, self.partial_store, self.partial_tags(), self.config)
+
+    def break_record(self, name: str, *, force: bool = False) -> HeldRecord:
+        """(one process) Remove the lock or lease ``name`` (as :meth:`records`
+        names it) by hand; refused while the rule judges its holder alive,
+        unless ``force``.
+
+        Raises:
+            CheckpointInUseError: Its holder is alive (the message says who).
+            CheckpointNotFoundError: No such lock or lease.
+        """
+        return break_record(self.store, self.partial_store, name, self.config, force=force)
 
     def remove_leftovers(self, current: str | None = None) -> LeftoverReport:
         """Delete what crashed saves, deletions and compactions left, by the

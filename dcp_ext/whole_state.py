@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
+from ._runtime import _StorageInfo
 from .dcp_io import CheckpointReader
 from .errors import (
     CheckpointCorruptError,
@@ -48,8 +49,11 @@ from .errors import (
     DcpExtError,
     unwrap_checkpoint_exception,
 )
+from .metadata import METADATA_FILE, TORCH_METADATA_FILE, tiling_problem
+from .metadata.chunk_columns import ChunkColumns
+from .metadata.torch_checks import oversized_item
 
-__all__ = ["load_whole", "restore_optimizer_keys", "WholeStatePlanner"]
+__all__ = ["load_whole", "restore_optimizer_keys", "WholeStatePlanner", "planner_paths"]
 
 
 class WholeStatePlanner(DefaultLoadPlanner):
@@ -61,6 +65,12 @@ class WholeStatePlanner(DefaultLoadPlanner):
     (all ranks of the group, or one process with ``no_dist=True``) allocates
     and reads the whole selected state.
 
+    Nothing is allocated before the metadata is checked: every key's recorded
+    path must nest consistently (:func:`planner_paths`), every tensor's chunks
+    must tile it exactly (:func:`~dcp_ext.metadata.tiling_problem`: a gap would
+    come back uninitialised), and (with ``reader``) every chunk stored by
+    torch's writers must fit its stored item, inside its data file.
+
     Args:
         keys: Load only these: top-level names (``"model"``), flattened keys
             (``"optimizer.state.0.exp_avg"``) or flattened prefixes ending in
@@ -69,12 +79,16 @@ class WholeStatePlanner(DefaultLoadPlanner):
             weights_only=True)`` (plain data only: the default, safe for
             checkpoints of unknown origin). ``False`` unpickles anything:
             only for checkpoints you trust.
+        reader: The reader the load uses: data files are looked up through
+            it before allocation, and messages name its metadata file.
     """
 
-    def __init__(self, keys: Collection[str] | None = None, *, weights_only: bool = True) -> None:
+    def __init__(self, keys: Collection[str] | None = None, *, weights_only: bool = True,
+                 reader: CheckpointReader | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.keys = None if keys is None else frozenset(keys)
         self.weights_only = weights_only
+        self.reader = reader
         #: The nested state being filled (``{}`` until ``set_up_planner``).
         self.result: dict[str, Any] = {}
         self._paths: dict[str, tuple[Any, ...]] = {}
@@ -84,35 +98,122 @@ class WholeStatePlanner(DefaultLoadPlanner):
             return True
         return any(key.endswith(".") and fqn.startswith(key) for key in self.keys)
 
+    def _where(self) -> str:
+        """The metadata file the load read (looked up for messages only)."""
+        if self.reader is None:
+            return "the checkpoint's metadata"
+        store = self.reader.store
+        for name in (METADATA_FILE, TORCH_METADATA_FILE):
+            try:
+                if store.exists(name):
+                    return store.describe(name)
+            except DcpExtError:
+                break
+        return self.reader.path
+
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
-        """(every loading rank) Allocate one tensor per stored tensor key and
-        a placeholder per non-tensor value."""
+        """(every loading rank) Check the metadata, then allocate one tensor
+        per stored tensor key and a placeholder per non-tensor value.
+
+        Raises:
+            CheckpointCorruptError: A path, chunk layout or stored extent the
+                metadata records is impossible (naming the file and key).
+            CheckpointKeyError: ``keys`` selects nothing.
+        """
         if state_dict:
             raise ValueError("WholeStatePlanner fills an empty dict: pass {} to dcp.load")
         if metadata is None:
             raise CheckpointCorruptError("the checkpoint reader returned no metadata")
-        mappings = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
-        flat: dict[str, Any] = {}
-        for fqn, meta in metadata.state_dict_metadata.items():
-            path = mappings.get(fqn)
-            path = tuple(path) if isinstance(path, (tuple, list)) and path else (fqn,)
-            if not self._wanted(fqn, path):
-                continue
-            if isinstance(meta, TensorStorageMetadata):
-                flat[fqn] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-            else:
-                flat[fqn] = None  # filled by load_bytes
-            self._paths[fqn] = path
-        if self.keys is not None and not flat:
+        try:
+            paths = planner_paths(metadata)
+        except _BadPath as bad:
+            where = self._where()
+            raise CheckpointCorruptError(f"{where}: {bad}", where) from bad
+        wanted = {fqn: path for fqn, path in paths.items() if self._wanted(fqn, path)}
+        if self.keys is not None and not wanted:
             raise CheckpointKeyError(
                 f"none of the keys {sorted(self.keys)} is in the checkpoint (it holds "
                 f"{sorted({k.split('.', 1)[0] for k in metadata.state_dict_metadata})[:20]})"
             )
+        tensors: dict[str, TensorStorageMetadata] = {}
+        for fqn in wanted:
+            md = metadata.state_dict_metadata[fqn]
+            if isinstance(md, TensorStorageMetadata):
+                self._check_chunks(fqn, md)
+                tensors[fqn] = md
+        self._check_stored(metadata, tensors)
+        flat: dict[str, Any] = {}
+        for fqn in wanted:
+            tensor = tensors.get(fqn)
+            # Non-tensor values are filled by load_bytes.
+            flat[fqn] = None if tensor is None else torch.empty(tuple(tensor.size), dtype=tensor.properties.dtype)
+        self._paths = wanted
         self.original_state_dict = state_dict
         self.state_dict = flat
         self.metadata = metadata
         self.is_coordinator = is_coordinator
+
+    def _check_chunks(self, fqn: str, md: TensorStorageMetadata) -> None:
+        """Refuse a tensor its chunks do not tile (before it is allocated)."""
+        try:
+            shape = tuple(int(n) for n in md.size)
+            chunks = md.chunks
+            columns = chunks if isinstance(chunks, ChunkColumns) else ChunkColumns.of(chunks, len(shape))
+            offsets, sizes = columns.offsets, columns.sizes
+            dtype = md.properties.dtype
+        except (AttributeError, TypeError, ValueError, OverflowError) as err:
+            where = self._where()
+            raise CheckpointCorruptError(f"{where}: key {fqn!r} has malformed chunks ({err})", where) from err
+        problem = None if isinstance(dtype, torch.dtype) else f"key {fqn!r} has no dtype"
+        problem = problem or tiling_problem(fqn, shape, offsets, sizes)
+        if problem is not None:
+            where = self._where()
+            raise CheckpointCorruptError(f"{where}: {problem}", where)
+
+    def _check_stored(self, metadata: Metadata, tensors: Mapping[str, TensorStorageMetadata]) -> None:
+        """Refuse chunks written by torch's writers whose stored item cannot
+        be theirs, before anything of their size is allocated (with
+        ``reader``, whose records are checked): one past the end of its data
+        file, or longer than a
+        ``torch.save`` archive of the chunk can be (:func:`oversized_item`:
+        its size or dtype was edited down, and would load truncated or cast).
+        Their stored length bounds their size (:mod:`dcp_ext.metadata.torch_checks`)."""
+        storage = metadata.storage_data
+        if self.reader is None or not isinstance(storage, dict):
+            # Records this planner cannot trust to be checked (another reader's), or dcp_ext's own
+            # documents (checked when decoded; sizes against frames when read).
+            return
+        items = [(index, info) for index, info in storage.items()
+                 if isinstance(info, _StorageInfo) and index.fqn in tensors]
+        ends: dict[str, tuple[int, str, int, int]] = {}
+        for index, info in items:
+            end = info.offset + info.length
+            if end > ends.get(info.relative_path, (-1,))[0]:
+                ends[info.relative_path] = (end, index.fqn, info.offset, info.length)
+        for name, (end, fqn, offset, length) in sorted(ends.items()):
+            store, there = self.reader.file_store(name)
+            size = store.size(there)
+            if end > size:
+                where = store.describe(there)
+                raise CheckpointCorruptError(
+                    f"{where}: {TORCH_METADATA_FILE} puts {fqn!r} at bytes [{offset}, {offset + length}), past "
+                    f"the end of the file ({size} bytes); refusing to allocate it. The checkpoint is truncated "
+                    f"or its metadata is damaged",
+                    where,
+                )
+        extents: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
+        for index, info in items:
+            chunks = extents.get(index.fqn)
+            if chunks is None:
+                chunks = extents[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in tensors[index.fqn].chunks}
+            at = tuple(index.offset or ())
+            extent = chunks.get(at)
+            problem = None if extent is None else oversized_item(
+                index.fqn, at, extent, tensors[index.fqn].properties.dtype, info)
+            if problem is not None:
+                where = self._where()
+                raise CheckpointCorruptError(f"{where}: {problem}", where)
 
     def create_local_plan(self) -> LoadPlan:
         """(every loading rank) Read every selected item whole."""
@@ -141,9 +242,97 @@ class WholeStatePlanner(DefaultLoadPlanner):
         return result
 
 
+class _BadPath(ValueError):
+    """A recorded path :func:`planner_paths` refuses (its message names the key)."""
+
+
+def planner_paths(metadata: Metadata) -> dict[str, tuple[Any, ...]]:
+    """Where each stored key goes in the nested state: its path in
+    ``Metadata.planner_data`` (DCP's flattening records one for every key it
+    stores), or the key itself when there is no ``planner_data`` (a save
+    with ``flatten_state_dict=False``, a safetensors folder).
+
+    Refused, as a recording DCP's ``flatten_state_dict`` cannot make:
+    ``planner_data`` that is not a mapping; no path for a stored key, or a
+    path for a key the checkpoint does not store (a key was lost);
+    a path that is not string parts for mapping keys (the first one too: the
+    state is a dict) and integer parts for list indices, joined by ``"."``
+    into its key; an index not below the number of stored keys (a list holds
+    no more elements than the checkpoint stores, bar empty containers, which
+    DCP does not store); paths that disagree on what a container is (a list,
+    a mapping or a value). So no path makes a huge list, a negative index or
+    a result shaped other than the saved state.
+
+    Raises:
+        _BadPath: Naming the key and path.
+    """
+    mappings = {} if metadata.planner_data is None else metadata.planner_data
+    if not isinstance(mappings, Mapping):
+        raise _BadPath(f"its planner_data is a {type(mappings).__name__}, not a map of keys to their paths")
+    stored = metadata.state_dict_metadata
+    recorded = metadata.planner_data is not None
+    if recorded:
+        unrecorded = next((k for k in stored if k not in mappings), None)
+        lost = next((k for k in mappings if k not in stored), None) if len(mappings) > len(stored) else None
+        if lost is not None or unrecorded is not None:
+            what = (f"records a path for {_shown(lost)}, which the checkpoint does not store" if lost is not None
+                    else f"records no path for key {unrecorded!r}")
+            raise _BadPath(f"its planner_data {what}: the metadata lost keys or paths")
+    count = len(stored)
+    paths: dict[str, tuple[Any, ...]] = {}
+    root: dict[Any, Any] = {}
+    for fqn in stored:
+        path = mappings[fqn] if recorded else (fqn,)
+        shown = _shown(path)
+        if not isinstance(path, (tuple, list)) or not path or type(path[0]) is not str or not all(
+                type(p) is str or (type(p) is int and 0 <= p < count) for p in path):
+            raise _BadPath(f"planner_data puts key {fqn!r} at {shown}: a path of mapping keys and list indices "
+                           f"in [0, {count}) (the checkpoint's {count} stored keys) was expected")
+        path = tuple(path)
+        if ".".join(map(str, path)) != fqn:
+            raise _BadPath(f"planner_data puts key {fqn!r} at {shown}, which does not name that key")
+        _place(root, path, fqn, shown)
+        paths[fqn] = path
+    return paths
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` cut to a length a message can hold (any value: it came from a pickle)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a half-built object from a hostile pickle
+        text = f"<{type(value).__name__}>"
+    return text if len(text) < 200 else text[:197] + "..."
+
+
+_KIND = object()  # a node's key holding what it is: a list or a mapping
+_VALUE = object()  # a leaf: a stored value
+
+
+def _place(root: dict[Any, Any], path: tuple[Any, ...], fqn: str, shown: str) -> None:
+    """Add ``path`` to the tree of paths seen, refusing one that disagrees with them."""
+    node = root
+    for depth, part in enumerate(path):
+        kind = "list" if type(part) is int else "mapping"
+        if node.setdefault(_KIND, kind) != kind:
+            raise _BadPath(f"planner_data puts key {fqn!r} at {shown}, but other keys make {path[:depth]!r} a "
+                           f"{node[_KIND]}, not a {kind}")
+        child = node.get(part)
+        if depth == len(path) - 1:
+            if child is not None:
+                raise _BadPath(f"planner_data puts key {fqn!r} at {shown}, where other keys are stored")
+            node[part] = _VALUE
+        elif child is _VALUE:
+            raise _BadPath(f"planner_data puts key {fqn!r} at {shown}, inside the value stored at "
+                           f"{path[:depth + 1]!r}")
+        else:
+            node = node.setdefault(part, {})
+
+
 def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
     """``root[p0][p1]... = value``, creating dicts for string parts and lists
-    for integer parts (DCP's ``OBJ_PATH``: list indices stay ints)."""
+    for integer parts (DCP's ``OBJ_PATH``: list indices stay ints). Paths are
+    those :func:`planner_paths` admitted: indices are small, kinds agree."""
     container: Any = root
     for here, after in zip(path, path[1:]):
         empty: Any = [] if type(after) is int else {}
@@ -257,7 +446,7 @@ def load_whole(
 
     io_options["read_once"] = False
     reader = CheckpointReader(path, storage_options=storage_options, **io_options)
-    planner = WholeStatePlanner(keys, weights_only=weights_only)
+    planner = WholeStatePlanner(keys, weights_only=weights_only, reader=reader)
     try:
         with warnings.catch_warnings():
             # no_dist=True is the point here, not a fallback worth a warning.

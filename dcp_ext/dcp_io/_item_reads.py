@@ -379,6 +379,11 @@ class ItemReads:
                 return
             dtype, sizes = self.chunk(read_item)
             tensor = load_tensor(decoded(numel(sizes) * dtype.itemsize + ARCHIVE_SLACK), where, span, fqn)
+            if tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes):
+                raise CheckpointCorruptError(
+                    f"{where}: bytes [{span[0]}, {span[1]}) hold {fqn!r} as {tensor.dtype} of shape "
+                    f"{tuple(tensor.shape)}, but {TORCH_METADATA_FILE} records a {dtype} chunk of shape "
+                    f"{tuple(sizes)}; the metadata was changed or is damaged", where)
             tensor = narrow_tensor_by_index(tensor, read_item.storage_offsets, read_item.lengths)
             target = planner.resolve_tensor(read_item).detach()
             if target.shape != tensor.shape:

@@ -16,7 +16,6 @@ import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .._runtime import _StorageInfo
 from ..errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
@@ -32,7 +31,6 @@ from ..metadata import (
     IncrementalSection,
     decode_metadata,
     load_torch_metadata,
-    validate_file_name,
 )
 from ..metadata.document import FrameIndexRef
 from ..storage import TMP_MARK, Store
@@ -102,32 +100,15 @@ class OwnMetadata:
 
 class TorchMetadata:
     """torch's pickled ``.metadata`` (a checkpoint written by torch's own
-    writers), read with a restricted unpickler and every storage record checked."""
+    writers), read with a restricted unpickler and every record checked
+    (:func:`~dcp_ext.metadata.load_torch_metadata`)."""
 
     def read(self, store: Store, shared: bytes | None, max_concurrency: int) -> LoadedMetadata | None:
         try:
             raw = store.read_file(TORCH_METADATA_FILE)
         except CheckpointNotFoundError:
             return None
-        where = store.describe(TORCH_METADATA_FILE)
-        metadata = load_torch_metadata(raw, where)
-        if not isinstance(metadata.storage_data, dict):
-            raise CheckpointCorruptError(f"{where} has no storage map", where)
-        for info in metadata.storage_data.values():
-            if not isinstance(info, _StorageInfo):
-                raise CheckpointCorruptError(
-                    f"{where} uses storage records of type {type(info).__name__}, which "
-                    f"dcp_ext cannot read",
-                    where,
-                )
-            validate_file_name(info.relative_path, where)
-            if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63
-                       for v in (info.offset, info.length)):
-                raise CheckpointCorruptError(
-                    f"{where}: an item of {info.relative_path!r} has offset {str(info.offset)[:40]} and length "
-                    f"{str(info.length)[:40]}; both must be non-negative 64-bit integers",
-                    where,
-                )
+        metadata = load_torch_metadata(raw, store.describe(TORCH_METADATA_FILE))
         return LoadedMetadata(metadata, seen=(TORCH_METADATA_FILE, xxhash.xxh3_64_intdigest(raw)))
 
 

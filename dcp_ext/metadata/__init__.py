@@ -7,7 +7,9 @@
 * :mod:`.decode`: reading and validating it (:func:`decode_metadata`), and
   the commit time from its first bytes (:func:`read_created`);
 * :mod:`.torch_pickle`: torch's ``.metadata``, written for interop and read
-  with a restricted unpickler.
+  with a restricted unpickler;
+* :mod:`.torch_checks`: what that pickle holds, checked against itself
+  (:func:`check_torch_metadata`; :func:`tiling_problem` for any chunk list).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .document import (
     validate_file_name,
 )
 from .encode import encode_metadata
+from .torch_checks import check_tiling, check_torch_metadata, tiling_problem
 from .torch_pickle import load_torch_metadata, to_torch_metadata, torch_reader_marker
 
 __all__ = [
@@ -51,6 +54,9 @@ __all__ = [
     "to_torch_metadata",
     "torch_reader_marker",
     "load_torch_metadata",
+    "check_torch_metadata",
+    "check_tiling",
+    "tiling_problem",
     "read_created",
     "read_leading_field",
     "read_incremental_section",

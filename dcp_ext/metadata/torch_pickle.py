@@ -4,7 +4,8 @@ dcp_ext writes torch's ``.metadata`` beside its own JSON document so that
 torch's readers load uncompressed dcp_ext checkpoints. Checkpoints written by
 torch have only the pickle; :func:`load_torch_metadata` reads it with an
 unpickler that admits DCP's metadata classes and nothing else, so loading
-never runs code from the file.
+never runs code from the file; what those classes hold is then checked
+against itself (:mod:`.torch_checks`) before any reader uses it.
 
 Checkpoints of older DCP releases name ``TensorProperties`` (and its
 memory-format enum) under ``torch.distributed._shard.sharded_tensor.metadata``,
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CheckpointCorruptError, NeedsCheckpointReaderError
 from .document import DCP_VERSION, StoredItem
+from .torch_checks import check_torch_metadata
 
 __all__ = ["to_torch_metadata", "load_torch_metadata", "torch_reader_marker", "refuse_torch_reader"]
 
@@ -148,11 +150,14 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def load_torch_metadata(data: bytes, where: str) -> Metadata:
-    """Unpickle torch's ``.metadata`` admitting only DCP metadata classes.
+    """Unpickle torch's ``.metadata`` admitting only DCP metadata classes,
+    then check what it holds (:func:`~dcp_ext.metadata.torch_checks.check_torch_metadata`).
 
     Raises:
         CheckpointCorruptError: The pickle is damaged or names any other class
-            or function (nothing from it is executed).
+            or function (nothing from it is executed), or its records are
+            incomplete or contradict each other (naming the file and key).
+        UnsafeNameError: A storage record names a file outside the checkpoint.
     """
     try:
         metadata = _RestrictedUnpickler(data, where).load()
@@ -166,4 +171,5 @@ def load_torch_metadata(data: bytes, where: str) -> Metadata:
         ) from err
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{where} does not hold DCP metadata", where)
+    check_torch_metadata(metadata, where)
     return metadata

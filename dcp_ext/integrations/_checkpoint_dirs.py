@@ -4,7 +4,9 @@ Frameworks test, list and delete checkpoint directories with ``os.path`` or
 fsspec without options, so on an S3 endpoint that needs ``storage_options``
 (or a compressed dcp_ext checkpoint, which has no torch ``.metadata`` yet)
 they see nothing. These helpers do the same through dcp_ext's stores, with
-the caller's ``storage_options``. Any rank may call them; none is collective.
+the caller's ``storage_options``; deletion goes by dcp_ext's one rule
+(:func:`dcp_ext.root.delete_checkpoint_dir`), never by a recursive delete.
+Any rank may call them; none is collective.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Collection
 from typing import Any
 
 from dcp_ext._runtime import torch_notices_quieted
 from dcp_ext.config import IOConfig
 from dcp_ext.errors import DcpExtError, PostCommitError, unwrap_checkpoint_exception
 from dcp_ext.metadata import METADATA_FILE, TORCH_METADATA_FILE
+from dcp_ext.root import delete_checkpoint_dir
 from dcp_ext.storage import Store, join_path, open_store
 
 __all__ = [
@@ -70,23 +74,20 @@ def child_dirs(path: str | os.PathLike[str], storage_options: dict[str, Any] | N
     return sorted(store.list_dirs())
 
 
-def remove_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
-    """Delete the checkpoint directory ``path``: its commit markers first
-    (torch's ``.metadata``, then dcp_ext's), so a half-deleted directory is
-    never taken for a checkpoint, then every other file, then the directory.
-    A missing directory is not an error.
+def remove_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None,
+                      extra_files: Collection[str] = ()) -> None:
+    """Delete the checkpoint directory ``path`` by dcp_ext's one deletion rule
+    (:func:`dcp_ext.root.delete_checkpoint_dir`): a symbolic link is removed,
+    not followed; only a checkpoint dcp_ext wrote is deleted, un-committed
+    first, and of it only the files dcp_ext (or the adapter, ``extra_files``)
+    wrote. A missing directory is not an error.
+
+    Raises:
+        ForeignCheckpointError: ``path`` holds no checkpoint dcp_ext wrote
+            (torch's own, a plain directory, a file); nothing was deleted.
+        CheckpointInUseError: A save to ``path`` is in progress; nothing was deleted.
     """
-    store = open_dir(path, storage_options)
-    if not store.root_exists():
-        return
-    for marker in (TORCH_METADATA_FILE, METADATA_FILE, "model.safetensors.index.json"):
-        store.delete(marker)
-    for name in store.list_tree():
-        store.delete(name)
-    for name in store.list_dirs():  # empty sub-directories (local key prefixes)
-        with contextlib.suppress(OSError):
-            open_dir(join(path, name), storage_options).remove_root_if_empty()
-    store.remove_root_if_empty()
+    delete_checkpoint_dir(path, storage_options, extra_files=extra_files)
 
 
 def save_alone(state: dict[str, Any], writer: Any) -> Any:

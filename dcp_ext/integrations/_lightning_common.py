@@ -107,7 +107,20 @@ class CheckpointIOMixin:
         return state
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """(global rank 0) Delete the checkpoint directory ``path`` (commit markers first)."""
+        """(global rank 0) Delete the checkpoint ``path`` by dcp_ext's one
+        deletion rule (:func:`dcp_ext.root.delete_checkpoint_dir`).
+
+        A link (``ModelCheckpoint(save_last="link")``'s ``last.ckpt``) is
+        removed and its target kept; a checkpoint this plug-in saved is
+        un-committed, then its files go (a file of yours in it stays, and
+        with it the directory).
+
+        Raises:
+            ForeignCheckpointError: ``path`` holds no checkpoint dcp_ext
+                wrote (a plain directory, torch's own checkpoint, a file
+                ``TorchCheckpointIO`` saved): nothing was deleted.
+            CheckpointInUseError: A save to ``path`` is in progress.
+        """
         dirs.remove_checkpoint(path, self.storage_options)
 
 
@@ -215,9 +228,25 @@ class ModelParallelMixin:
         return metadata
 
     def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
-        """(global rank 0) Delete the checkpoint at ``filepath`` through dcp_ext."""
-        if self.is_global_zero:
-            dirs.remove_checkpoint(os.fspath(filepath), self.storage_options)
+        """(global rank 0) Delete the checkpoint at ``filepath`` by dcp_ext's
+        one deletion rule (see ``DcpExtCheckpointIO.remove_checkpoint``),
+        ``meta.pt`` with it; with ``save_distributed_checkpoint=False``, a
+        single-file checkpoint (the stock strategy's ``torch.save`` file)
+        goes as the stock strategy deletes it.
+
+        Raises:
+            ForeignCheckpointError: ``filepath`` holds no checkpoint dcp_ext
+                wrote: nothing was deleted.
+            CheckpointInUseError: A save to ``filepath`` is in progress.
+        """
+        if not self.is_global_zero:
+            return
+        path = os.fspath(filepath)
+        if not self._save_distributed_checkpoint and not _is_url(path) and os.path.isfile(path) \
+                and not os.path.islink(path):
+            super().remove_checkpoint(filepath)  # type: ignore[misc]
+            return
+        dirs.remove_checkpoint(path, self.storage_options, extra_files=(META_FILE,))
 
 
 class _MetaWriter:

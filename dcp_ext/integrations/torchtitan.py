@@ -17,10 +17,16 @@ three things changed:
   marker: dcp_ext's ``dcp_ext.metadata.json``, torch's ``.metadata`` (which
   every dcp_ext checkpoint also has, as a marker in compressed ones; before
   that marker, stock torchtitan silently started from step 0 on compressed
-  checkpoints), or a Hugging Face index. Listing, existence checks and ``keep_latest_k``
-  deletion use dcp_ext's stores with ``storage_options``, so an S3 endpoint
-  that needs options works (torchtitan's own helpers call fsspec without
-  any).
+  checkpoints), or a Hugging Face index. Listing, existence checks and
+  ``keep_latest_k`` deletion use dcp_ext's stores with ``storage_options``,
+  so an S3 endpoint that needs options works (torchtitan's own helpers call
+  fsspec without any). Deletion goes by dcp_ext's one rule
+  (:func:`dcp_ext.root.delete_checkpoint_dir`), not torchtitan's
+  ``rmtree``: a ``step-N`` is un-committed before any data file goes (a
+  purge cut off when the job exits leaves a directory the step search skips
+  and the next purge finishes), only files dcp_ext wrote go (a file of yours
+  in it stays), and a ``step-N`` dcp_ext did not write (torch's writer, a
+  Hugging Face export) is left whole, with a warning in the log.
 
 Hugging Face exports and imports (``last_save_in_hf``, ``initial_load_in_hf``)
 are torchtitan's own code, on local paths as there.
@@ -174,8 +180,8 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         #: listed yet: it still counts for keep_latest_k).
         self._saving: str | None = None
         if self.purge_thread is not None:
-            # torchtitan's purge thread deletes with fsspec and no options:
-            # swap it for one that deletes through dcp_ext's stores.
+            # torchtitan's purge thread deletes with fsspec's rmtree and no
+            # options: swap it for one that deletes by dcp_ext's one rule.
             self.purge_queue.put(None)
             self.purge_thread.join()
             self.purge_thread = threading.Thread(
@@ -190,6 +196,9 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
                                         overwrite=self.overwrite, compression=self.compression, config=self.io_config)
 
     def _remove_checkpoint(self, path: str) -> None:
+        """(rank 0, the purge thread) Delete ``step-N`` by dcp_ext's one rule
+        (see the module doc); torchtitan's purge thread logs a refusal
+        (``ForeignCheckpointError``, ``CheckpointInUseError``) and goes on."""
         dirs.remove_checkpoint(path, self.storage_options)
 
     @torch.no_grad()

@@ -13,7 +13,8 @@ Points, in the order a save reaches them:
 * ``after_data``: a rank's data files are all committed.
 * ``before_metadata``: the coordinator is about to write the metadata.
 * ``before_newest``: the checkpoint is committed; ``newest`` not yet moved.
-* ``mid_retention``: retention has started deleting an old checkpoint.
+* ``mid_retention``: retention, or a standalone deletion after its un-commit
+  (:func:`dcp_ext.root.delete_checkpoint_dir`), has started deleting a checkpoint.
 
 Tiered saves (:mod:`dcp_ext.tiers._local_tier`) add:
 

@@ -40,6 +40,7 @@ from .errors import (
     ReshardError,
     PlanMismatchError,
     PlanCacheError,
+    RankFailedError,
     StorageError,
     StorageFullError,
     StoragePermissionError,
@@ -163,6 +164,7 @@ __all__ = [
     "ReshardError",
     "PlanMismatchError",
     "PlanCacheError",
+    "RankFailedError",
     "ReadOnceExchangeError",
     "unwrap_checkpoint_exception",
 ]

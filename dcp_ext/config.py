@@ -39,6 +39,10 @@ When to change them:
   storage's worst request time (``s3_request_deadline``), or a slow renewal
   makes a live save look dead. ``clock_skew_tolerance`` (60 s) is how far in
   the future another host's times are believed (:mod:`dcp_ext.guard._liveness`).
+* ``collective_timeout``: how long a rank of a save or load waits for the
+  others at one step before the survivors raise ``RankFailedError`` naming
+  the ranks and hosts that did not come (600 s). Set it above the longest a
+  rank may take to write or read its share; lower it to fail over sooner.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ _SIZE_FIELDS = frozenset(
 )
 _SECONDS_FIELDS = frozenset({
     "s3_connect_timeout", "s3_read_timeout", "s3_request_deadline",
-    "heartbeat_interval", "heartbeat_timeout", "clock_skew_tolerance",
+    "heartbeat_interval", "heartbeat_timeout", "clock_skew_tolerance", "collective_timeout",
 })
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -200,6 +204,17 @@ class IOConfig:
         clock_skew_tolerance: Seconds another host's (or the storage's)
             clock may run ahead of this one's and its times still be
             believed. Environment: ``DCP_EXT_CLOCK_SKEW_TOLERANCE``.
+        collective_timeout: Seconds a rank of a save or load waits at one
+            collective step (planning, the end of the writes, the commit,
+            the reads) for the others before every surviving rank raises
+            :class:`~dcp_ext.errors.RankFailedError` naming the ranks and
+            hosts that did not come. It must exceed the longest a rank may
+            legitimately take between two steps: its share of the bytes at
+            its storage's write speed, plus margin (default 600 s: 60 GB per
+            rank at 100 MB/s). Applies to dcp_ext's saves and loads on the
+            default group (a caller's ``process_group`` keeps its own
+            timeout); the same on every rank. Environment:
+            ``DCP_EXT_COLLECTIVE_TIMEOUT``.
     """
 
     part_size: int = 16 * _MIB
@@ -221,6 +236,7 @@ class IOConfig:
     heartbeat_interval: float = 15.0
     heartbeat_timeout: float = 180.0
     clock_skew_tolerance: float = 60.0
+    collective_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if self.part_size < 5 * _MIB:
@@ -252,7 +268,7 @@ class IOConfig:
         if self.key_prefixes < 0:
             raise ValueError(f"key_prefixes must be >= 0, got {self.key_prefixes}")
         for name in ("s3_connect_timeout", "s3_read_timeout", "s3_request_deadline", "heartbeat_interval",
-                     "heartbeat_timeout", "clock_skew_tolerance"):
+                     "heartbeat_timeout", "clock_skew_tolerance", "collective_timeout"):
             value = getattr(self, name)
             # A NaN would compare false everywhere and disable the bound.
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):

@@ -44,6 +44,7 @@ __all__ = [
     "PlanMismatchError",
     "PlanCacheError",
     "ReadOnceExchangeError",
+    "RankFailedError",
     "InvalidPathError",
     "InvalidOptionError",
     "CheckpointReplacedError",
@@ -197,6 +198,29 @@ class PlanCacheError(PlanMismatchError):
     failed on some ranks only, or a process took another's place). Raised
     during planning, before anything is locked or written; the cached plans
     are dropped, and dcp_ext's own saves plan again at once."""
+
+
+class RankFailedError(DcpExtError, RuntimeError):
+    """A rank of a save or load did not arrive at a collective step within
+    ``IOConfig.collective_timeout``: it died, its host was cut off, or it is
+    stalled. Raised on every surviving rank; the message names the missing
+    ranks, their hosts, the step (``plan``, ``write_data``, ``commit``...)
+    and what became of the checkpoint (for a save: nothing committed and
+    ``newest`` unchanged, unless the commit was already written).
+
+    Attributes:
+        ranks: The missing ranks (group ranks).
+        hosts: Their hosts, in the same order.
+        step: The step this rank was waiting at.
+    """
+
+    def __init__(self, message: str, path: str | None = None, ranks: tuple[int, ...] = (),
+                 hosts: tuple[str, ...] = (), step: str = "") -> None:
+        super().__init__(message, path)
+        self.ranks, self.hosts, self.step = ranks, hosts, step
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.path, self.ranks, self.hosts, self.step))
 
 
 class ReadOnceExchangeError(DcpExtError, RuntimeError):

@@ -1,4 +1,4 @@
-"""Process plumbing every layer may use: torch compatibility, the process-group view, node topology, GC pauses, memory release, torch's notices, crash points, the name validator."""
+"""Process plumbing every layer may use: torch compatibility, the process-group view, watched collectives, node topology, GC pauses, memory release, torch's notices, crash points, the name validator."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from .gc_pause import GcLease, gc_paused
 from .group import GroupView
 from .names import validate_name_part, validate_relative_name
 from .nodes import NodeMap, local_node_identity
+from .rank_watch import LOAD_PHASES, SAVE_PHASES, RankWatch, WatchedGroup, watched_group
 from .release_memory import release_free_memory
 from .torch_notices import torch_notices_quieted
 
@@ -26,6 +27,11 @@ __all__ = [
     "FLATTEN_MAPPING",
     "GcLease",
     "GroupView",
+    "LOAD_PHASES",
+    "RankWatch",
+    "SAVE_PHASES",
+    "WatchedGroup",
+    "watched_group",
     "NodeMap",
     "StreamTransformExtension",
     "_StorageInfo",

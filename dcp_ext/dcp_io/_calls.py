@@ -22,10 +22,11 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from .._runtime import gc_paused, torch_notices_quieted
+from .._runtime import LOAD_PHASES, SAVE_PHASES, gc_paused, torch_notices_quieted
 from ..errors import DcpExtError, PlanCacheError, PostCommitError, unwrap_checkpoint_exception
 from ._reader import CheckpointReader
 from ._staging import Stager
+from ._watched import rank_failure, watch
 from ._writer import CheckpointWriter
 
 __all__ = ["AsyncSaveHandle", "run_save", "run_load", "start_async_save", "dcp_failure"]
@@ -48,12 +49,13 @@ def dcp_failure(exc: BaseException, preferred: BaseException | None = None) -> B
     return error
 
 
-def _save_failure(writer: CheckpointWriter, planner: SavePlanner | None, exc: BaseException) -> BaseException:
-    """The error to raise for a failed save, after removing this rank's files
-    (kept when the failure came after the commit) and the plans cached
-    under the planner's name (every rank sees the failure, so every rank
-    drops them: the next save plans afresh)."""
-    error = dcp_failure(exc)
+def _save_failure(writer: CheckpointWriter, planner: SavePlanner | None, exc: BaseException,
+                  error: BaseException | None = None) -> BaseException:
+    """The error to raise for a failed save (``error``, default: :func:`dcp_failure`'s),
+    after removing this rank's files (kept when the failure came after the
+    commit) and the plans cached under the planner's name (every rank sees
+    the failure, so every rank drops them: the next save plans afresh)."""
+    error = dcp_failure(exc) if error is None else error
     forget = getattr(planner, "forget_cached_plans", None)
     if forget is not None:
         forget()
@@ -74,16 +76,25 @@ def run_save(
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     for attempt in (1, 2):
+        group, watcher = watch(process_group, writer.config, SAVE_PHASES)
+        writer.rank_watch = watcher
+        failed = True
         try:
             with gc_paused(), torch_notices_quieted():
-                metadata: Metadata = dcp_save(state, storage_writer=writer, planner=planner, process_group=process_group)
+                metadata: Metadata = dcp_save(state, storage_writer=writer, planner=planner, process_group=group)
+            failed = False
         except BaseException as exc:
-            error = _save_failure(writer, planner, exc)
+            error = rank_failure(watcher, exc, dcp_failure(exc), "save", writer.path, writer.outcome)
+            error = _save_failure(writer, planner, exc, error)
             if isinstance(error, PlanCacheError) and attempt == 1:
                 log.warning("%s; planning again", error)
                 writer.reset()
                 continue
             raise error from error.__cause__
+        finally:
+            writer.rank_watch = None
+            if watcher is not None:
+                watcher.close(ok=not failed)
         return metadata
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -98,17 +109,24 @@ def run_load(
     """
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+    group, watcher = watch(process_group, reader.config, LOAD_PHASES)
     if reader.process_group is None:
-        reader.process_group = process_group  # read-once exchanges over the load's group
-    reader.metadata_group = (process_group,)  # every rank reads it here: the coordinator reads for all
+        reader.process_group = group  # read-once exchanges over the load's group
+    reader.metadata_group = (group,)  # every rank reads it here: the coordinator reads for all
+    reader.rank_watch = watcher
+    failed = True
     try:
         with gc_paused(), torch_notices_quieted():
-            dcp_load(state, storage_reader=reader, planner=planner, process_group=process_group)
+            dcp_load(state, storage_reader=reader, planner=planner, process_group=group)
+        failed = False
     except BaseException as exc:
-        error = dcp_failure(exc, reader.last_error)
+        error = rank_failure(watcher, exc, dcp_failure(exc, reader.last_error), "load", reader.path)
         raise error from error.__cause__
     finally:
         reader.metadata_group = None
+        reader.rank_watch = None
+        if watcher is not None:
+            watcher.close(ok=not failed)
         # A load that failed between planning and read_data left the reader's
         # GC lease up (stock dcp.load ends it at its time limit); end it now.
         reader.end_gc_lease()
@@ -179,12 +197,22 @@ def start_async_save(
     if uploads not in kinds:
         raise ValueError(f"uploads must be 'thread' or 'process', got {uploads!r}")
     deferred = stager.deferred() if stager is not None else contextlib.nullcontext()
+    group, watcher = watch(process_group, writer.config, SAVE_PHASES)
+    writer.rank_watch = watcher  # phases reported by this process's writer (a process upload's copy reports none)
+
+    def failure(exc: BaseException) -> BaseException:
+        writer.rank_watch = None
+        error = rank_failure(watcher, exc, dcp_failure(exc), "save", writer.path, writer.outcome)
+        if watcher is not None:
+            watcher.close(ok=False)
+        return _save_failure(writer, planner, exc, error)
+
     try:
         with gc_paused(), torch_notices_quieted(), deferred:
-            response = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=process_group,
+            response = dcp_async_save(state, storage_writer=writer, planner=planner, process_group=group,
                                       async_stager=stager, async_checkpointer_type=kinds[uploads])
     except BaseException as exc:
-        error = _save_failure(writer, planner, exc)
+        error = failure(exc)
         raise error from error.__cause__
     # An AsyncSaveResponse with a stager, a bare future without one.
     upload: concurrent.futures.Future[Any] = getattr(response, "upload_completion", response)  # type: ignore[arg-type]
@@ -196,8 +224,11 @@ def start_async_save(
         try:
             future.result()
         except BaseException as exc:
-            handle.set_exception(_save_failure(writer, planner, exc))
+            handle.set_exception(failure(exc))
             return
+        writer.rank_watch = None
+        if watcher is not None:
+            watcher.close()
         handle.set_result(None)
 
     upload.add_done_callback(settle)

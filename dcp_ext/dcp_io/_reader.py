@@ -156,6 +156,8 @@ class CheckpointReader(StorageReader):
         self.read_once = read_once
         self.shared_memory = shared_memory
         self.process_group = process_group
+        #: This rank's phases in dcp_ext's own load calls (:mod:`dcp_ext.dcp_io._watched`), else ``None``.
+        self.rank_watch: Any = None
         self.exchange_timeout = exchange_timeout
         overrides = {
             "verify_checksums": verify_checksums,
@@ -365,6 +367,9 @@ class CheckpointReader(StorageReader):
         """(all ranks) Fetch this rank's slices and hand them to the planner;
         with read-once, exchange shared items with the other ranks (every
         rank raises the same error if any rank fails)."""
+        watcher = self.rank_watch
+        if watcher is not None:
+            watcher.phase("read_data")
         try:
             with gc_paused():
                 try:
@@ -383,6 +388,8 @@ class CheckpointReader(StorageReader):
                     raise
         finally:
             self.end_gc_lease()
+        if watcher is not None:
+            watcher.phase("read")
         release_free_memory()
         future: Future[None] = Future()
         future.set_result(None)

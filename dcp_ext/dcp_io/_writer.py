@@ -213,6 +213,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         #: checkpoint's: planned name -> the name written (set by prepare_global_plan).
         self.renamed: dict[str, str] = {}
         self._replacing: list[str] = []
+        #: This rank's phases in dcp_ext's own save calls (:mod:`dcp_ext.dcp_io._watched`), else ``None``.
+        self.rank_watch: Any = None
 
     # -- helpers ----------------------------------------------------------------
     @property
@@ -231,7 +233,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         # Open stores hold clients, sockets and thread pools; a copy in another
         # process (process-based uploads) opens its own.
         state = dict(self.__dict__)
-        state.update(_store=None, _filesystem=None, _lock=None, _strays=None)
+        state.update(_store=None, _filesystem=None, _lock=None, _strays=None, rank_watch=None)
         return state
 
     # -- AsyncStager (dcp.async_save without async_stager) ------------------------
@@ -335,6 +337,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             if not isinstance(planner, LayoutSavePlanner):
                 raise ValueError("incremental saves need dcp_ext's LayoutSavePlanner (CheckpointManager uses it)")
             self.base_frames = read_base(self.incremental, plan.items, self.config, self.storage_options)
+        self._phase("write_data")
         crash_point("before_data")
 
         written: list[tuple[list[WriteItem], list[StoredItem]]] = []
@@ -370,6 +373,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 for item, where in zip(items, stored, strict=True)
             ]
         crash_point("after_data")
+        self._phase("written")
         release_free_memory()
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -410,6 +414,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Write the metadata, which commits the checkpoint."""
+        self._phase("commit")
         crash_point("before_metadata")
         store = self.store
         items = collect_stored(metadata, results)
@@ -525,6 +530,21 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._lock.release(keep_mark=bool(left))
         self._lock = None
         return left
+
+    def _phase(self, name: str) -> None:
+        if self.rank_watch is not None:
+            self.rank_watch.phase(name)
+
+    def outcome(self) -> str:
+        """(each rank, after a failed save) What became of the checkpoint, for messages."""
+        try:
+            if committed_with(self.store, self._written):
+                return "The checkpoint committed before the failure"
+            if self.store.exists(METADATA_FILE):
+                return "Nothing of this save was committed; the checkpoint it replaces is unchanged"
+        except DcpExtError as err:
+            return f"Whether it committed is unknown ({err})"
+        return "Nothing was committed (a manager's newest is unchanged)"
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

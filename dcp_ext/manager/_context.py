@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +22,14 @@ class Groups:
 
     Args:
         process_group: The group that saves and loads (``None``: the default group).
+        collective_timeout: The bound of the collectives of the groups made
+            here (``IOConfig.collective_timeout``).
     """
 
-    def __init__(self, process_group: Any) -> None:
+    def __init__(self, process_group: Any, collective_timeout: float = 600.0) -> None:
         self.process_group = process_group
         self.view = GroupView(process_group)
+        self.collective_timeout = collective_timeout
         self._own: Any = None
 
     def background(self) -> Any:
@@ -37,7 +41,7 @@ class Groups:
         if self.process_group is not None or not self.view.distributed:
             return self.process_group
         if self._own is None:
-            self._own = dist.new_group(backend="gloo")
+            self._own = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.collective_timeout))
         return self._own
 
     def for_tiers(self) -> Groups:
@@ -46,7 +50,7 @@ class Groups:
         too, so without a ``process_group`` every collective goes to a group
         of the manager's own."""
         if self.process_group is None and self.view.distributed:
-            return Groups(self.background())
+            return Groups(self.background(), self.collective_timeout)
         return self
 
 

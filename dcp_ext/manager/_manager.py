@@ -155,7 +155,7 @@ class CheckpointManager:
         self.async_uploads = async_uploads
         storage_options = dict(storage_options or {})
         config = config or IOConfig.from_env()
-        groups = Groups(process_group)
+        groups = Groups(process_group, config.collective_timeout)
         if tier_options.local_tier is not None:
             groups = groups.for_tiers()
         self.checkpoints = CheckpointRoot(self.root, config, storage_options)

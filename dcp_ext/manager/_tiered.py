@@ -8,6 +8,7 @@ themselves; this part sequences them for each save and restore.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import itertools
 import logging
 from typing import Any
@@ -89,7 +90,8 @@ class TieredCheckpoints:
         self._drain_group = None
         if group.distributed:
             ranks = group.global_ranks() or list(range(dist.get_world_size()))
-            self._drain_group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+            self._drain_group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True,
+                                               timeout=datetime.timedelta(seconds=ctx.config.collective_timeout))
         self._drains = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-drain")
         self._tier_steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-tiers")
         self._saves = 0

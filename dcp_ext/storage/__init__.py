@@ -1,8 +1,11 @@
 """Storage backends: where checkpoint bytes live.
 
-:func:`open_store` picks the backend from the path: a plain path or
-``file://`` URL is :class:`LocalStore`, ``s3://`` is :class:`S3Store`, any
-other fsspec URL is :class:`FsspecStore`.
+A :class:`Location` (URL, storage options, config, backend options) opens its
+store through the factory registered for its scheme (:func:`register_store`,
+or the entry point group ``dcp_ext.stores``): a plain path or ``file://`` URL
+is :class:`LocalStore`, ``s3://`` is :class:`S3Store`, any other URL without
+a store of its own the generic :class:`FsspecStore`. A new store is one
+module with a :class:`Store` subclass and one registration.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import os
 from typing import Any
 
 from ..config import IOConfig
-from ..errors import InvalidPathError
 from ._base import (
     TMP_MARK,
     IncompleteUpload,
@@ -21,7 +23,18 @@ from ._base import (
     Store,
 )
 from ._ranges import Piece, ReadRequest, box_runs, plan_requests, run_starts
+from ._location import Location, join_path, normalize_path
+from ._registry import (
+    ENTRY_POINT_GROUP,
+    FALLBACK_SCHEME,
+    LOCAL_SCHEME,
+    StoreFactory,
+    register_store,
+    registered_schemes,
+    store_factory,
+)
 from ._s3_client import clear_client_cache
+from ._s3_options import S3Options
 from .fsspec_store import FsspecStore
 from .local import LocalStore
 from .s3 import S3Store
@@ -42,39 +55,34 @@ __all__ = [
     "S3Store",
     "FsspecStore",
     "open_store",
+    "Location",
+    "S3Options",
+    "StoreFactory",
+    "register_store",
+    "registered_schemes",
+    "store_factory",
+    "ENTRY_POINT_GROUP",
     "normalize_path",
     "join_path",
     "clear_client_cache",
 ]
 
-_S3_SCHEMES = ("s3://", "s3a://", "s3n://")
+def _local(url: str, config: IOConfig, storage_options: dict[str, Any], options: Any) -> Store:
+    return LocalStore(url, config)
 
 
-def normalize_path(path: str | os.PathLike[str]) -> str:
-    """The checkpoint location as a string: a local path or an fsspec URL.
-
-    Raises:
-        InvalidPathError: ``path`` is empty (or ``file://`` alone). An empty
-            string would name the current directory, where a save writes and
-            leftover cleanup deletes (issue 32): pass ``"."`` to mean it.
-    """
-    text = os.fspath(path)
-    if text.startswith("file://"):
-        text = text[len("file://"):]
-    if not text:
-        raise InvalidPathError(
-            f"empty checkpoint path {os.fspath(path)!r}: pass a directory or URL (\".\" for the current directory)",
-            os.fspath(path),
-        )
-    return text
+def _s3(url: str, config: IOConfig, storage_options: dict[str, Any], options: Any) -> Store:
+    return S3Store("s3://" + url.split("://", 1)[1], config, storage_options, options)
 
 
-def join_path(root: str | os.PathLike[str], name: str) -> str:
-    """``root`` + ``/`` + ``name`` for paths and URLs alike."""
-    text = normalize_path(root)
-    if "://" in text:
-        return f"{text.rstrip('/')}/{name}"
-    return os.path.join(text, name)
+def _fsspec(url: str, config: IOConfig, storage_options: dict[str, Any], options: Any) -> Store:
+    return FsspecStore(url, config, storage_options)
+
+
+# The built-in schemes, registered as a third party's would be.
+register_store(LOCAL_SCHEME, _local)
+register_store(("s3", "s3a", "s3n"), _s3)
+register_store(FALLBACK_SCHEME, _fsspec)
 
 
 def open_store(
@@ -83,19 +91,18 @@ def open_store(
     storage_options: dict[str, Any] | None = None,
     filesystem: Any = None,
 ) -> Store:
-    """Open the store for ``path``.
+    """Open the store for ``path`` (what :meth:`Location.open` does, for callers
+    that have no :class:`Location`).
 
     Args:
-        path: Local path, ``file://``, ``s3://`` or any fsspec URL.
+        path: Local path, ``file://``, ``s3://`` or any registered or fsspec URL.
         config: I/O tunables.
-        storage_options: Options for the fsspec/s3fs file system (S3 endpoint,
-            credentials, region ...). Not used for local paths.
-        filesystem: An fsspec file system from an earlier store of the same
-            URL kind, to reuse (S3 clients are cached per options instead).
+        storage_options: The backend's options (S3 endpoint, credentials, region ...).
+            Not used for local paths.
+        filesystem: For the fsspec store: a file system from an earlier store
+            of the same URL kind, to reuse.
     """
-    text = normalize_path(path)
-    if text.startswith(_S3_SCHEMES):
-        return S3Store("s3://" + text.split("://", 1)[1], config, storage_options)
-    if "://" in text:
-        return FsspecStore(text, config, storage_options, filesystem)
-    return LocalStore(text, config)
+    location = Location(os.fspath(path), dict(storage_options or {}), config)
+    if filesystem is not None and store_factory(location.scheme) is _fsspec:
+        return FsspecStore(location.url, config, storage_options, filesystem)
+    return location.open()

@@ -52,6 +52,7 @@ from ._base import IncompleteUpload, ObjectWriter, Store, request_views, scatter
 from ._ranges import ReadRequest
 from ._rate_limit import LimiterStats, PrefixRateLimiters
 from ._retry import retry_sync
+from ._s3_options import S3Options
 from ._s3_client import (
     S3Connection,
     _client_error_parts,
@@ -323,6 +324,8 @@ class S3Store(Store):
         url: ``s3://bucket/prefix``.
         config: I/O tunables.
         storage_options: s3fs-style options (see :mod:`dcp_ext.storage._s3_client`).
+        options: Timeouts, part size and concurrency (default: from ``config``'s
+            ``s3_*``, ``part_size`` and ``max_concurrency``).
     """
 
     kind = "s3"
@@ -332,7 +335,14 @@ class S3Store(Store):
         url: str,
         config: IOConfig,
         storage_options: dict[str, Any] | None = None,
+        options: S3Options | None = None,
     ) -> None:
+        if options is not None:  # the store reads its settings from its config: one source of truth inside
+            config = config.with_overrides(
+                s3_connect_timeout=options.connect_timeout, s3_read_timeout=options.read_timeout,
+                s3_request_deadline=options.request_deadline, part_size=options.part_size,
+                max_concurrency=options.max_concurrency)
+        self.options = S3Options.from_config(config)
         super().__init__(url, config)
         self.bucket, self.prefix = split_s3_url(url)
         self.connection: S3Connection = get_connection(storage_options, config)

@@ -12,24 +12,41 @@ proves itself the same way::
         def location(self, tmp_path):
             return lambda name: f"myfs://bucket/{tmp_path.name}/{name}", {"token": "..."}
 
-Each test asks :meth:`StoreTests.location` for fresh URLs, writes through
-:func:`dcp_ext.storage.open_store` and checks what it wrote; where a backend
-can look at its storage through a side door (the ``side_door_*`` methods,
-``None`` by default), the checks go further (no temporary files or
-incomplete uploads left, multipart part counts).
+Each test asks :meth:`StoreTests.location` for fresh URLs, opens stores
+from them and checks what it wrote; where a backend can look at its storage
+through a side door (the ``side_door_*`` methods, ``None`` by default), the
+checks go further (no temporary files or incomplete uploads left, multipart
+part counts).
+
+A store class (or any factory ``factory(url, config, storage_options,
+options) -> Store``) is enough: set :attr:`StoreTests.store_factory` and the
+suite opens its stores with it, registered or not, as zarr's
+``StoreTests[store_cls]`` does::
+
+    class TestMyStore(StoreTests):
+        store_factory = MyStore
+
+        @pytest.fixture
+        def location(self, tmp_path):
+            return lambda name: f"myfs://{tmp_path}/{name}", {}
+
+Otherwise stores open through the scheme's registered factory
+(:func:`dcp_ext.storage.register_store`), exactly as dcp_ext opens them.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
-from ..storage import Piece, Store, open_store, plan_requests
+from ..storage import Location as StoreLocation
+from ..storage import Piece, Store, plan_requests
 
 __all__ = ["StoreTests", "Location", "MiB", "CONFIG"]
 
@@ -46,7 +63,15 @@ def _payload(n: int, seed: int = 0) -> bytes:
 
 
 class StoreTests:
-    """The contract, as pytest tests; a subclass provides the :meth:`location` fixture."""
+    """The contract, as pytest tests; a subclass provides the :meth:`location` fixture.
+
+    Attributes:
+        store_factory: Opens the stores under test (a :class:`~dcp_ext.storage.Store`
+            subclass or a factory of the registry's signature); ``None``: the
+            factory registered for the URL's scheme.
+    """
+
+    store_factory: ClassVar[Callable[..., Store] | None] = None
 
     @pytest.fixture
     def location(self) -> Location:
@@ -66,9 +91,16 @@ class StoreTests:
         """How many parts the object ``name`` under ``url`` was uploaded in (``None``: unknown)."""
         return None
 
+    def open(self, url: str, options: dict[str, Any], config: IOConfig = CONFIG) -> Store:
+        """The store at ``url``, through :attr:`store_factory` or the registry."""
+        factory = type(self).store_factory
+        if factory is not None:
+            return factory(url, config, dict(options), None)
+        return StoreLocation(url, options, config).open()
+
     def store(self, location: Location, name: str = "s", config: IOConfig = CONFIG) -> Store:
         url_of, options = location
-        return open_store(url_of(name), config, options)
+        return self.open(url_of(name), options, config)
 
     # -- the contract ------------------------------------------------------------------
     def test_commit_makes_file_visible_and_durable(self, location: Location) -> None:
@@ -194,11 +226,37 @@ class StoreTests:
         assert not store.create_exclusive("lock", b"second")
         assert store.read_file("lock") == b"first"
 
+    def test_racing_creators_have_exactly_one_winner(self, location: Location) -> None:
+        """Eight stores of their own (their own clients) create one name at
+        once, 25 rounds: exactly one wins each round, and the file holds the
+        winner's whole content (the save lock and commit marker rely on it)."""
+        url_of, options = location
+        url = url_of("race")
+        self.open(url, options).ensure_root()
+        stores = [self.open(url, options) for _ in range(8)]
+        for round_ in range(25):
+            name = f"lock{round_}"
+            won: list[int] = []
+            start = threading.Barrier(len(stores))
+
+            def create(k: int, store: Store) -> None:
+                start.wait()
+                if store.create_exclusive(name, f"creator {k} ".encode() * 100):
+                    won.append(k)
+
+            threads = [threading.Thread(target=create, args=(k, s)) for k, s in enumerate(stores)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert len(won) == 1, f"round {round_}: {len(won)} creators won: {won}"
+            assert stores[0].read_file(name) == f"creator {won[0]} ".encode() * 100
+
     def test_directories_listings_heads_and_sizes(self, location: Location) -> None:
         parent = self.store(location, "parent")
         parent.ensure_root()
         parent.write_file("top.json", b"{}")
-        child = open_store(f"{parent.url.rstrip('/')}/child", CONFIG, location[1])
+        child = self.open(f"{parent.url.rstrip('/')}/child", location[1])
         child.ensure_root()
         child.write_file("a.bin", b"0123456789")
         assert parent.list_dirs() == ["child"]

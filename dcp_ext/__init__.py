@@ -57,7 +57,10 @@ from .hf import HFExportReport, export_hf, save_hf
 from .layout import InvalidTagError, MeshInfo, Partition, RankPartition, TagInfo
 from .manager import (
     CheckpointManager,
+    FullSaveOptions,
+    IncrementalOptions,
     ResumeResult,
+    TierOptions,
     close_checkpoints,
     register_model,
     registered_model,
@@ -65,6 +68,7 @@ from .manager import (
     save_checkpoint,
 )
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
+from .storage import Location, register_store
 from .root import (
     CheckpointRoot,
     CompactReport,
@@ -98,6 +102,11 @@ __all__ = [
     "save",
     "load",
     "CheckpointManager",
+    "FullSaveOptions",
+    "IncrementalOptions",
+    "TierOptions",
+    "Location",
+    "register_store",
     "AsyncSaveHandle",
     "Stager",
     "StagingStats",

@@ -51,7 +51,7 @@ from .root import (
     verify,
     verify_full,
 )
-from .storage import Store, join_path, normalize_path, open_store
+from .storage import Location, Store, join_path, normalize_path
 
 __all__ = ["main"]
 
@@ -192,7 +192,7 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
         decoded = _load_metadata(path, options)
         totals = _key_totals(decoded.metadata).values()
     except FileNotFoundError:
-        store = open_store(path, IOConfig.from_env(), options)
+        store = Location(path, options).open()
         if store.exists(RETIRED_FILE):  # deleted; keeps the files later incremental checkpoints refer to
             kept = [n for n in store.list_tree() if n.endswith(".distcp")]
             return entry | {"state": "retired", "stored_bytes": sum(store.size(n) for n in kept)}
@@ -211,7 +211,7 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
         entry.update(referenced_bytes=decoded.incremental.referenced_bytes, base=decoded.incremental.base,
                      chain=decoded.incremental.chain)
     try:
-        mesh = json.loads(open_store(path, IOConfig.from_env(), options).read_file("partition.json")).get("mesh")
+        mesh = json.loads(Location(path, options).open().read_file("partition.json")).get("mesh")
         if mesh:
             entry["mesh"] = dict(zip(mesh.get("dim_names") or [], mesh.get("shape") or []))
     except (DcpExtError, ValueError, TypeError, AttributeError, RecursionError):
@@ -220,17 +220,18 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
 
 
 def _load_metadata(path: str, options: dict[str, Any]) -> DecodedMetadata:
-    return read_own_metadata(open_store(path, IOConfig.from_env(), options), options)
+    return read_own_metadata(Location(path, options).open(), options)
 
 
 def _full_checkpoint_file(path: str, options: dict[str, Any]) -> bool:
     """Whether ``path`` names a full checkpoint: a file rather than a
     directory, or a Hugging Face folder (``model.safetensors`` or its index,
     and no dcp_ext metadata)."""
-    parent, _, name = path.rstrip("/").rpartition("/")
-    if bool(parent and name) and open_store(parent, IOConfig.from_env(), options).exists(name):
+    location = Location(path, options)
+    parent = location.parent()
+    if parent is not None and parent.open().exists(location.name):
         return True
-    store = open_store(path, IOConfig.from_env(), options)
+    store = location.open()
     return not store.exists(METADATA_FILE) and any(store.exists(n) for n in HF_MARKERS)
 
 

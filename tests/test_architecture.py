@@ -161,6 +161,22 @@ def test_modules_and_classes_are_small() -> None:
     assert big == [], "\n".join(big)
 
 
+def test_stores_are_opened_from_locations_above_storage() -> None:
+    """Issue 42: above ``storage/`` a store is opened from a :class:`~dcp_ext.storage.Location`
+    (which carries its options), never by ``open_store(path, config, options)``."""
+    calls = []
+    for name, path in MODULES.items():
+        if name.startswith("dcp_ext.storage"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+                if called == "open_store":
+                    calls.append(f"{path}:{node.lineno}")
+    assert calls == [], calls
+
+
 #: What each public module exported before the redesign (2062839, issue 33): every name must still import.
 NAMES_BEFORE_REDESIGN = {
     "dcp_ext": (

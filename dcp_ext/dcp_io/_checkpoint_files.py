@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..metadata.document import REFERENCE_PREFIX, split_reference
-from ..storage import ReadRequest, Store, join_path, open_store
+from ..storage import Location, ReadRequest, Store
 
 __all__ = ["CheckpointFiles"]
 
@@ -21,32 +20,34 @@ class CheckpointFiles:
     """The stores one checkpoint's data files are read from (each rank has its own).
 
     Args:
-        path: The checkpoint directory's URL.
-        config: I/O tunables.
-        storage_options: fsspec/s3fs options.
-        store: Read through this store instead of opening ``path``.
+        location: The checkpoint directory (URL, storage options, config).
+        store: Read through this store instead of opening ``location``.
     """
 
-    def __init__(self, path: str, config: IOConfig, storage_options: dict[str, Any], store: Store | None = None) -> None:
-        self.path = path
-        self.config = config
-        self.storage_options = storage_options
+    def __init__(self, location: Location, store: Store | None = None) -> None:
+        self.location = location
         self._store = store
-        self._filesystem: Any = None
         self._siblings: dict[str, Store] = {}
+
+    @property
+    def path(self) -> str:
+        return self.location.url
+
+    @property
+    def config(self) -> IOConfig:
+        return self.location.config
 
     @property
     def store(self) -> Store:
         """The store of the checkpoint directory (created on first use)."""
         if self._store is None:
-            self._store = open_store(self.path, self.config, self.storage_options, self._filesystem)
-            self._filesystem = getattr(self._store, "fs", None)
+            self._store = self.location.open()
         return self._store
 
-    def moved(self, path: str) -> None:
-        """The checkpoint is now at ``path`` (a new load): forget the stores of the old one."""
-        if path != self.path:
-            self.path = path
+    def moved(self, location: Location) -> None:
+        """The checkpoint is now at ``location`` (a new load): forget the stores of the old one."""
+        if location.url != self.path:
+            self.location = location
             self._store = None
             self._siblings = {}
 
@@ -55,10 +56,8 @@ class CheckpointFiles:
         files an incremental checkpoint's frames refer to), opened once."""
         store = self._siblings.get(directory)
         if store is None:
-            parent = self.path.rstrip("/").rpartition("/")[0]
-            store = self._siblings[directory] = open_store(
-                join_path(parent or ".", directory), self.config, self.storage_options, self._filesystem
-            )
+            parent = self.location.parent() or self.location.at(".")
+            store = self._siblings[directory] = parent.child(directory).open()
         return store
 
     def describe(self, name: str) -> str:

@@ -34,7 +34,7 @@ from ..frames import FrameStats
 from ..metadata import IncrementalSection
 from ..metadata.document import FrameIndexRef
 from ..planning import ChunkShapes
-from ..storage import ReadRequest, Store, normalize_path
+from ..storage import Location, ReadRequest, Store, normalize_path
 from ._checkpoint_files import CheckpointFiles
 from ._item_reads import ItemReads
 from ._metadata_sources import (
@@ -76,7 +76,7 @@ class CheckpointReader(StorageReader):
     Args:
         path: Checkpoint directory: local path, ``file://``, ``s3://`` or any
             fsspec URL. ``dcp.load(checkpoint_id=...)`` replaces it.
-        storage_options: fsspec/s3fs options (see :class:`CheckpointWriter`).
+        storage_options: The store's options (see :class:`CheckpointWriter`).
         config: I/O tunables; the keyword arguments below override its fields.
         max_concurrency: Ranged reads in flight per rank.
         read_request_size: Largest single ranged read.
@@ -132,7 +132,7 @@ class CheckpointReader(StorageReader):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Location,
         *,
         storage_options: dict[str, Any] | None = None,
         config: IOConfig | None = None,
@@ -165,10 +165,13 @@ class CheckpointReader(StorageReader):
             "read_request_size": read_request_size,
             "coalesce_gap": coalesce_gap,
         }
-        config = IOConfig.from_env(**overrides) if config is None else config.with_overrides(**overrides)
+        if config is None:
+            config = path.config if isinstance(path, Location) else IOConfig.from_env()
+        config = config.with_overrides(**overrides)
         self.config = config
-        self.storage_options = dict(storage_options or {})
-        self._files = CheckpointFiles(normalize_path(path), config, self.storage_options, store)
+        location = Location.of(path, storage_options).with_config(config)
+        self.storage_options = location.storage_options
+        self._files = CheckpointFiles(location, store)
         self._reads = ItemReads(self._files, config, extension_registry)
         self.load_id = uuid.uuid4().hex
         self._frame_indexes: dict[str, FrameIndexRef] = {}
@@ -275,7 +278,7 @@ class CheckpointReader(StorageReader):
         """(all ranks) Start a new load, optionally from a new path."""
         self.end_gc_lease()
         if checkpoint_id:
-            self._files.moved(normalize_path(checkpoint_id))
+            self._files.moved(self._files.location.at(normalize_path(checkpoint_id)))
         self.load_id = uuid.uuid4().hex
         self._metadata_seen = None
         self._frame_indexes = {}

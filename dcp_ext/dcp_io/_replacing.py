@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ..config import IOConfig
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, DcpExtError
 from ..layout import DATA_SUFFIX, RETIRED_FILE, FileAssignment, spread_name
 from ..metadata import METADATA_FILE, decode_metadata
 from ..storage import TMP_MARK, Store
 
-__all__ = ["assign_beside", "remove_replaced", "committed_with"]
+__all__ = ["assign_beside", "uncommit", "remove_replaced", "committed_with", "save_outcome"]
 
 log = logging.getLogger("dcp_ext.writer")
 
@@ -49,6 +49,13 @@ def assign_beside(plans: Sequence[SavePlan], taken: set[str], config: IOConfig) 
             renamed.update(moved)
         answers.append(plan if assignment is plan.storage_data else dataclasses.replace(plan, storage_data=assignment))
     return answers, renamed
+
+
+def uncommit(store: Store, names: Sequence[str]) -> None:
+    """(coordinator, ``finish``) Un-commit the checkpoint a save replaces (its
+    metadata files, torch's first): until now it stayed loadable."""
+    for name in names:
+        store.delete(name)
 
 
 def remove_replaced(store: Store, keep: set[str], strays: tuple[Store, str] | None) -> None:
@@ -80,3 +87,16 @@ def committed_with(store: Store, names: Sequence[str]) -> bool:
     except CheckpointNotFoundError:
         return False
     return not set(decode_metadata(document, store.describe(METADATA_FILE)).files).isdisjoint(names)
+
+
+def save_outcome(store: Store, written: Sequence[str]) -> str:
+    """(each rank, after a failed save) What became of the checkpoint at
+    ``store``, given the files this rank wrote, for messages."""
+    try:
+        if committed_with(store, written):
+            return "The checkpoint committed before the failure"
+        if store.exists(METADATA_FILE):
+            return "Nothing of this save was committed; the checkpoint it replaces is unchanged"
+    except DcpExtError as err:
+        return f"Whether it committed is unknown ({err})"
+    return "Nothing was committed (a manager's newest is unchanged)"

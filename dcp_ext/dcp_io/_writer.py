@@ -79,8 +79,8 @@ from ..metadata.document import FrameIndexRef
 from ..metadata.frame_index import encode_frame_index
 from ..metadata.stored_columns import StoredColumns
 from ..planning import LayoutSavePlanner, collect_stored, pack_results
-from ..storage import Store, normalize_path, open_store
-from ._replacing import assign_beside, committed_with, remove_replaced
+from ..storage import Location, Store, normalize_path
+from ._replacing import assign_beside, committed_with, remove_replaced, save_outcome, uncommit
 from ._staging import copy_state
 
 __all__ = ["CheckpointWriter"]
@@ -112,9 +112,11 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     5. (coordinator) ``finish``: write metadata (the commit marker), clean up.
 
     Args:
-        path: Checkpoint directory: local path, ``file://``, ``s3://`` or any
-            fsspec URL. ``dcp.save(checkpoint_id=...)`` replaces it.
-        storage_options: fsspec/s3fs options (S3 ``endpoint_url``, ``key``,
+        path: Checkpoint directory: local path, ``file://``, ``s3://``,
+            ``gs://``, ``az://`` or any registered or fsspec URL, or a
+            :class:`~dcp_ext.storage.Location` (then its storage options and
+            config are used). ``dcp.save(checkpoint_id=...)`` replaces it.
+        storage_options: The store's options (S3 ``endpoint_url``, ``key``,
             ``secret``, ``client_kwargs={'region_name': ...}``...).
         overwrite: Replace a committed checkpoint at ``path``. Off by default:
             a good checkpoint is never replaced by accident.
@@ -125,12 +127,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         fsync: fsync files before commit (local/POSIX; default True).
         before_commit: Called by the coordinator with the checkpoint's store
             after all data is durable and before the metadata commits it;
-            extra files written there are part of the checkpoint. When it
-            replaces a committed checkpoint (``overwrite``), the old one is
-            un-committed just before this call. A hook with a
+            extra files written there are part of the checkpoint. An
+            overwrite un-commits the old one just before; a hook with a
             ``with_renamed(mapping)`` method is first given the data files
-            the overwrite wrote under new names (planned -> written) and the
-            hook it returns is called instead.
+            written under new names, and the hook it returns is called.
         after_commit: Called by the coordinator after the commit; an error
             it raises reaches every rank as ``PostCommitError`` (the
             checkpoint stays committed).
@@ -141,21 +141,15 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             readers need no setting.
         frame_size: Raw bytes per compressed/checksummed frame (default 1 MiB).
         incremental: Write only the frames that changed since a base
-            checkpoint (:mod:`dcp_ext.incremental._save`; the manager passes it
-            with ``CheckpointManager(incremental=True)``). Needs dcp_ext's
-            ``LayoutSavePlanner`` and metadata version 3. Such checkpoints
-            are read by dcp_ext only: no ``torch.save`` envelopes, no
-            torch ``.metadata``.
+            checkpoint (:mod:`dcp_ext.incremental._save`; from
+            ``CheckpointManager(incremental=True)``); needs ``LayoutSavePlanner``
+            and metadata version 3; read by dcp_ext only.
 
-    Every frame of stored data gets an xxh3-64 checksum, computed as it is
-    written and verified by :class:`CheckpointReader` on every read.
-
-    ``dcp.async_save(storage_writer=CheckpointWriter(...))`` without an
-    ``async_stager`` stages through :meth:`stage`: a blocking copy into fresh
-    buffers by parallel threads. Pass ``async_stager=dcp_ext.Stager()`` for
-    background staging into reused buffers. The writer pickles (without its
-    open store), so ``AsyncCheckpointerType.PROCESS`` uploads work, provided
-    ``before_commit`` and ``after_commit`` pickle too.
+    Every stored frame gets an xxh3-64 checksum, verified on every read.
+    ``dcp.async_save`` without an ``async_stager`` stages through
+    :meth:`stage` (a blocking copy; ``dcp_ext.Stager()`` stages in the
+    background). The writer pickles without its store, so process-based
+    uploads work if ``before_commit`` and ``after_commit`` pickle too.
     """
 
     # AsyncStager: stage() blocks until the copy is made, so DCP need not call
@@ -164,7 +158,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Location,
         *,
         storage_options: dict[str, Any] | None = None,
         overwrite: bool = False,
@@ -187,16 +181,17 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             "files_per_rank": files_per_rank,
             "fsync": fsync,
         }
-        config = IOConfig.from_env(**overrides) if config is None else config.with_overrides(**overrides)
+        if config is None:
+            config = path.config if isinstance(path, Location) else IOConfig.from_env()
+        config = config.with_overrides(**overrides)
+        #: Where the checkpoint goes (URL, storage options, config).
+        self.location = Location.of(path, storage_options).with_config(config)
         self.config = config
-        self.storage_options = dict(storage_options or {})
         self.overwrite = overwrite
-        self.path = normalize_path(path)
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = True
         self.rank = 0
         self._store: Store | None = None
-        self._filesystem: Any = None
         self._written: list[str] = []
         self.before_commit = before_commit
         self.after_commit = after_commit
@@ -218,11 +213,19 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     # -- helpers ----------------------------------------------------------------
     @property
+    def path(self) -> str:
+        """The checkpoint's URL (or local path)."""
+        return self.location.url
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return self.location.storage_options
+
+    @property
     def store(self) -> Store:
         """The store of the current checkpoint path (created on first use)."""
         if self._store is None:
-            self._store = open_store(self.path, self.config, self.storage_options, self._filesystem)
-            self._filesystem = getattr(self._store, "fs", None)
+            self._store = self.location.open()
         return self._store
 
     @property
@@ -233,7 +236,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         # Open stores hold clients, sockets and thread pools; a copy in another
         # process (process-based uploads) opens its own.
         state = dict(self.__dict__)
-        state.update(_store=None, _filesystem=None, _lock=None, _strays=None, rank_watch=None)
+        state.update(_store=None, _lock=None, _strays=None, rank_watch=None)
         return state
 
     # -- AsyncStager (dcp.async_save without async_stager) ------------------------
@@ -259,7 +262,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         if checkpoint_id:
             new_path = normalize_path(checkpoint_id)
             if new_path != self.path:
-                self.path = new_path
+                self.location = self.location.at(new_path)
                 self._store = None
         self.save_id = uuid.uuid4().hex
         self._written = []
@@ -297,7 +300,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             # Checked again under the lock: a save that held it may have committed.
             existing = self._refuse_existing(store)
             # The root's one rule (dcp_ext.root): files another tag refers to stay.
-            self._strays = check_reuse(self.path, store, bool(existing), self.config, self.storage_options)
+            self._strays = check_reuse(self.location, store, bool(existing))
             taken = {name for name in store.list_tree() if name.endswith(DATA_SUFFIX)} if existing else set()
         except BaseException:
             self._release_lock()
@@ -336,7 +339,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         if self.incremental is not None:
             if not isinstance(planner, LayoutSavePlanner):
                 raise ValueError("incremental saves need dcp_ext's LayoutSavePlanner (CheckpointManager uses it)")
-            self.base_frames = read_base(self.incremental, plan.items, self.config, self.storage_options)
+            self.base_frames = read_base(self.incremental, plan.items, self.location)
         self._phase("write_data")
         crash_point("before_data")
 
@@ -426,7 +429,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             # Its files replace the old checkpoint's (partition.json, user
             # content): un-commit the old one first, so that a crash in
             # between leaves no old checkpoint with the new files.
-            self._uncommit_replaced(store)
+            uncommit(store, self._replacing)
+            self._replacing = []
             hook = self.before_commit
             renaming = getattr(hook, "with_renamed", None)
             (renaming(dict(self.renamed)) if renaming is not None else hook)(store)
@@ -468,13 +472,6 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 raise
             except Exception as err:
                 raise PostCommitError(f"checkpoint {store.url} committed, but {err}", store.url) from err
-
-    def _uncommit_replaced(self, store: Store) -> None:
-        """(coordinator, finish) Un-commit the checkpoint this save replaces:
-        torch's metadata, then dcp_ext's. Until now it stayed loadable."""
-        for name in self._replacing:
-            store.delete(name)
-        self._replacing = []
 
     def remove_own_files(self) -> None:
         """(each rank) Delete the data files this rank committed in the current
@@ -537,14 +534,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def outcome(self) -> str:
         """(each rank, after a failed save) What became of the checkpoint, for messages."""
-        try:
-            if committed_with(self.store, self._written):
-                return "The checkpoint committed before the failure"
-            if self.store.exists(METADATA_FILE):
-                return "Nothing of this save was committed; the checkpoint it replaces is unchanged"
-        except DcpExtError as err:
-            return f"Whether it committed is unknown ({err})"
-        return "Nothing was committed (a manager's newest is unchanged)"
+        return save_outcome(self.store, self._written)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -49,7 +49,7 @@ from ..errors import (
 from ..format import header_prefix, parse_header
 from ..metadata import StoredItem
 from ..planners import LayoutLoadPlanner
-from ..storage import normalize_path, open_store
+from ..storage import Location, normalize_path
 from ._checksums import FileChecksums, check_file_size, read_checksums
 from ._fp8 import (
     FP8_DTYPES,
@@ -132,7 +132,7 @@ class FullCheckpointReader(CheckpointReader):
     def _locate(source: str, storage_options: dict[str, Any] | None, config: IOConfig | None) -> tuple[str, str | None]:
         """(root, file) when ``source`` is a file, (source, None) for a folder."""
         parent, name = _split(source)
-        store = open_store(parent, config or IOConfig.from_env(), storage_options)
+        store = Location.of(parent, storage_options, config).open()
         if name and store.exists(name):
             return parent, name
         return source, None

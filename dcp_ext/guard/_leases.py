@@ -30,9 +30,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import IOConfig
 from ..errors import DcpExtError
-from ..storage import Store, open_store
+from ..storage import Location, Store
 from ._heartbeat import Renewal, renew_while_held, stop_renewing
 from ._save_lock import LockRecord, LockState, file_state, forget, hold
 
@@ -55,22 +54,18 @@ class Lease:
     Pickles (without its open store), so a process-based upload can end it.
 
     Args:
-        root: URL of the checkpoint root.
+        root: The checkpoint root.
         tag: The tag being saved.
         base: The tag it builds on.
-        config: I/O tunables.
-        storage_options: fsspec/s3fs options.
     """
 
-    def __init__(
-        self, root: str, tag: str, base: str, config: IOConfig, storage_options: dict[str, Any] | None = None
-    ) -> None:
-        self.url = root
-        self.config = config
-        self.storage_options = dict(storage_options or {})
+    def __init__(self, root: Location, tag: str, base: str) -> None:
+        self.location = root
+        self.url = root.url
+        self.config = root.config
         self.id = uuid.uuid4().hex
         self.name = f"{LEASE_PREFIX}{self.id}{LEASE_SUFFIX}"
-        self.record = LockRecord.mine(self.id, tag=tag, base=base, timeout=config.heartbeat_timeout)
+        self.record = LockRecord.mine(self.id, tag=tag, base=base, timeout=root.config.heartbeat_timeout)
         self.held = False
         self._store: Store | None = None
         self._renewal: Renewal | None = None
@@ -78,7 +73,7 @@ class Lease:
     @property
     def store(self) -> Store:
         if self._store is None:
-            self._store = open_store(self.url, self.config, self.storage_options)
+            self._store = self.location.open()
         return self._store
 
     def __getstate__(self) -> dict[str, Any]:

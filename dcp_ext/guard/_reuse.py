@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..config import IOConfig
 from ..errors import CheckpointInUseError
 from ..layout import (
     PARTIAL_SUFFIX,
@@ -13,15 +10,13 @@ from ..layout import (
     partial_dir,
     strays_marker,
 )
-from ..storage import Store, join_path, open_store
+from ..storage import Location, Store
 from ._scan import scan_root
 
 __all__ = ["check_reuse"]
 
 
-def check_reuse(
-    path: str, store: Store, committed: bool, config: IOConfig, storage_options: dict[str, Any]
-) -> tuple[Store, str] | None:
+def check_reuse(location: Location, store: Store, committed: bool) -> tuple[Store, str] | None:
     """(the saving coordinator, holding the directory's save lock) Before a
     save replaces the files of ``ROOT/{tag}_partial`` (an overwrite, or a
     save to a retired tag's name): refuse if another checkpoint refers to
@@ -30,11 +25,9 @@ def check_reuse(
     gone (:func:`~dcp_ext.layout.strays_marker`).
 
     Args:
-        path: The directory being saved to.
+        location: The directory being saved to.
         store: Its store.
         committed: Whether it holds a committed checkpoint.
-        config: I/O tunables.
-        storage_options: fsspec/s3fs options.
 
     Returns:
         ``(root store, marker name)`` to delete once the replaced files are
@@ -44,14 +37,14 @@ def check_reuse(
     Raises:
         CheckpointInUseError: The files are in use; nothing was changed.
     """
-    parent, _, directory = path.rstrip("/").rpartition("/")
-    if not parent or not directory.endswith(PARTIAL_SUFFIX) or not is_valid_tag(directory[: -len(PARTIAL_SUFFIX)]):
+    path, parent, directory = location.url, location.parent(), location.name
+    if parent is None or not directory.endswith(PARTIAL_SUFFIX) or not is_valid_tag(directory[: -len(PARTIAL_SUFFIX)]):
         return None
     if not committed and not store.exists(RETIRED_FILE):
         return None  # a new directory, or an uncommitted one: nothing refers to its files
     tag = directory[: -len(PARTIAL_SUFFIX)]
-    root = open_store(parent, config, storage_options)
-    scan = scan_root(root, lambda t: open_store(join_path(parent, partial_dir(t)), config, storage_options))
+    root = parent.open()
+    scan = scan_root(root, lambda t: parent.child(partial_dir(t)).open())
     reason = scan.pinned_by(tag)
     if reason is not None:
         raise CheckpointInUseError(f"cannot save {path} again now: {reason}. Nothing was changed", path)

@@ -53,7 +53,7 @@ from ..config import IOConfig
 from ..errors import CheckpointExistsError
 from ..format import build_header
 from ..full import FOLDER_SIDECAR, encode_sidecar, refuse_output_in_source
-from ..storage import TMP_MARK, Store, open_store
+from ..storage import Location, Store, TMP_MARK
 from ._layout import (
     HF_CONFIG_FILE,
     HF_INDEX_FILE,
@@ -332,7 +332,7 @@ def write_live_state(
     _check_dtype(dtype)
     group = GroupView(process_group)
     io_config = config or IOConfig.from_env()
-    store = open_store(path, io_config, storage_options)
+    store = Location.of(path, storage_options, io_config).open()
     check_cpu_backend(group)
     live = LiveState(group, state, dtype)
     plan = _make_plan(live.tensors, group.world_size, max_shard_size, config_json, store.describe(), live.local_bytes)
@@ -364,7 +364,7 @@ def write_partial(
     refuse_output_in_source(os.fspath(source), os.fspath(path))
     group = GroupView(process_group)
     io_config = config or IOConfig.from_env()
-    store = open_store(path, io_config, storage_options)
+    store = Location.of(path, storage_options, io_config).open()
     stored = StoredState(group, os.fspath(source), include_optimizer, dtype, storage_options, io_config)
     plan = _make_plan(stored.tensors, group.world_size, max_shard_size, config_json, store.describe())
     return _export(group, store, plan, overwrite,

@@ -35,12 +35,10 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ..config import IOConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..frames import HASH_BYTES, BaseItem
 from ..guard import Lease
@@ -49,7 +47,7 @@ from ..metadata.chunk_table import ChunkLocations
 from ..metadata.document import reference_name
 from ..metadata.frame_index import attach_frame_indexes, frame_count
 from ..planning import ChunkShapes
-from ..storage import open_store
+from ..storage import Location
 
 __all__ = [
     "IncrementalSave", "BaseFrames", "read_base", "restart_reason", "DEFAULT_MAX_CHAIN",
@@ -172,9 +170,7 @@ def _key(item: WriteItem) -> tuple[str, tuple[int, ...] | None]:
     return (item.index.fqn, tuple(int(o) for o in item.tensor_data.chunk.offsets))
 
 
-def read_base(
-    save: IncrementalSave, items: Sequence[WriteItem], config: IOConfig, storage_options: dict[str, Any]
-) -> BaseFrames:
+def read_base(save: IncrementalSave, items: Sequence[WriteItem], location: Location) -> BaseFrames:
     """(each rank, before writing) This rank's items as the base stored them.
 
     Decodes the base's metadata (``save.base_metadata``, else read here) and
@@ -189,17 +185,15 @@ def read_base(
     if save.base_url is None or save.base_dir is None:
         return BaseFrames()
     try:
-        return _read_base(save, items, config, storage_options)
+        return _read_base(save, items, location.at(save.base_url))
     except CheckpointCorruptError as err:
         log.warning("incremental save: writing every frame, since its base %s is damaged: %s", save.base_url, err)
         return BaseFrames()
 
 
-def _read_base(
-    save: IncrementalSave, items: Sequence[WriteItem], config: IOConfig, storage_options: dict[str, Any]
-) -> BaseFrames:
+def _read_base(save: IncrementalSave, items: Sequence[WriteItem], base: Location) -> BaseFrames:
     assert save.base_url is not None and save.base_dir is not None
-    store = open_store(save.base_url, config, storage_options)
+    store = base.open()
     raw = save.base_metadata
     if raw is None:
         try:
@@ -240,7 +234,7 @@ def _read_base(
     attach_frame_indexes(
         locations, {s.relative_path for s in found.values()}, decoded.frame_indexes,
         lambda name, ref: store.read_range(name, ref.at, ref.length, allow_short=True),
-        store.describe, config.max_concurrency,
+        store.describe, base.config.max_concurrency,
     )
     out: dict[tuple[str, tuple[int, ...] | None], BaseItem] = {}
     for key in found:

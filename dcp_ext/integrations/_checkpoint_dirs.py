@@ -18,11 +18,10 @@ from collections.abc import Collection
 from typing import Any
 
 from dcp_ext._runtime import torch_notices_quieted
-from dcp_ext.config import IOConfig
 from dcp_ext.errors import DcpExtError, PostCommitError, unwrap_checkpoint_exception
 from dcp_ext.metadata import METADATA_FILE, TORCH_METADATA_FILE
 from dcp_ext.root import delete_checkpoint_dir
-from dcp_ext.storage import Store, join_path, open_store
+from dcp_ext.storage import Location, Store, join_path
 
 __all__ = [
     "COMMIT_MARKERS",
@@ -46,8 +45,8 @@ COMMIT_MARKERS = (METADATA_FILE, TORCH_METADATA_FILE, "model.safetensors.index.j
 
 
 def open_dir(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Store:
-    """The dcp_ext store of directory ``path`` (local, ``s3://`` or fsspec)."""
-    return open_store(path, IOConfig.from_env(), storage_options)
+    """The dcp_ext store of directory ``path`` (local, ``s3://``, any registered or fsspec URL)."""
+    return Location.of(path, storage_options).open()
 
 
 def join(path: str | os.PathLike[str], name: str) -> str:

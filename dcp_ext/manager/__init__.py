@@ -13,11 +13,15 @@ root, the CLI and the integrations import it.
 from __future__ import annotations
 
 from ._manager import CheckpointManager
+from ._options import FullSaveOptions, IncrementalOptions, TierOptions
 from ._registry import register_model, registered_model
 from ._requests import ResumeResult
 from ._smp import close_checkpoints, resume_from_checkpoint, save_checkpoint
 
 __all__ = [
+    "FullSaveOptions",
+    "IncrementalOptions",
+    "TierOptions",
     "CheckpointManager",
     "ResumeResult",
     "close_checkpoints",

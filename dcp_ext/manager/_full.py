@@ -24,7 +24,7 @@ from ..full import (
 )
 from ..hf import HF_INDEX_FILE, write_live_state, write_partial
 from ..layout import USER_CONTENT_FILE, user_content_name, validate_tag
-from ..storage import join_path, normalize_path, open_store
+from ..storage import join_path, normalize_path
 from ._context import ManagerContext
 from ._requests import NO_MODEL, ResumeResult, read_optional
 
@@ -139,7 +139,7 @@ class FullCheckpoints:
             target_store, target_name = root_store, validate_tag(out or tag)
         else:
             parent, _, target_name = normalize_path(out).rstrip("/").rpartition("/")
-            target_store = open_store(parent, ctx.config, ctx.storage_options)
+            target_store = ctx.checkpoints.location.at(parent).open()
         if target_store.exists(target_name) and not overwrite:
             raise CheckpointExistsError(
                 f"Checkpoint already exists at {target_store.describe(target_name)}; pass overwrite=True",

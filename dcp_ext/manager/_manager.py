@@ -34,12 +34,12 @@ from ..incremental import DEFAULT_MAX_CHAIN
 from ..layout import PARTITION_FILE, MeshInfo, Partition, TagInfo, validate_tag
 from ..planners import LayoutLoadPlanner
 from ..root import CheckpointRoot, CompactReport, KeepLast, RetentionPolicy
-from ..storage import normalize_path
+from ..storage import Location
 from ..tiers import LocalTier, RestorePlan
 from ._context import Groups, ManagerContext
 from ._full import FullCheckpoints, full_state
 from ._in_flight import InFlight, watch_at_exit
-from ._options import ASYNC_UPLOADS, IncrementalOptions, TierOptions
+from ._options import ASYNC_UPLOADS, FullSaveOptions, IncrementalOptions, TierOptions
 from ._partial import PartialCheckpoints
 from ._registry import with_registered
 from ._requests import NO_MODEL, ResumeResult, SaveRequest
@@ -73,10 +73,8 @@ class CheckpointManager:
             then does not compete with training for the GIL). With
             ``"process"``, retention policies must pickle (no lambdas).
         stager: The :class:`~dcp_ext.dcp_io.Stager` for asynchronous saves
-            (default: one made on the first asynchronous save, with
-            background staging, shared-memory buffers for ``"process"``
-            uploads). Its buffers hold one copy of the state per rank until
-            :meth:`close`.
+            (default: one made on the first, with background staging); its
+            buffers hold one copy of the state per rank until :meth:`close`.
         local_tier: This node's local-tier directory (NVMe, ``/dev/shm``;
             each rank passes its own node's path): partial saves commit
             there first and reach ``root`` only when persisted (see
@@ -92,13 +90,12 @@ class CheckpointManager:
             files in its partner node's tier (sent over the process group),
             so that a node whose tier is lost restores from its partner.
         local_tier_bytes: With ``local_tier``: the most bytes this node's
-            tier may hold (a share of ``/dev/shm``, say; the node leader's
-            value counts). Before each tiered save every node's room (this
-            cap and the free space) is checked; a save that does not fit in
-            some node's tier goes straight to ``root`` instead, and its
-            handle (or a synchronous ``save``) raises
+            tier may hold (the node leader's value counts). A save that does
+            not fit in some node's tier (this cap or its free space) goes
+            straight to ``root``, and raises
             :class:`~dcp_ext.errors.StorageFullError` naming the node.
-        incremental: Partial saves write only the frames that changed since
+        incremental: ``True`` (or an :class:`~dcp_ext.IncrementalOptions`):
+            partial saves write only the frames that changed since
             the newest checkpoint (:mod:`dcp_ext.incremental._save`): unchanged
             frames (frozen weights, untouched embedding rows) are referred
             to in the earlier checkpoint's files. Off by default. Retention
@@ -108,13 +105,11 @@ class CheckpointManager:
             differ from the root's newest checkpoint
             (:mod:`dcp_ext.tiers._incremental_drain`).
         max_chain: With ``incremental``: after this many incremental saves
-            in a row, a save writes every frame again (so a checkpoint
-            needs the files of at most ``max_chain + 1`` saves). A save also
-            starts a new chain earlier when most bytes of the earlier files
-            its base refers to are no longer used
-            (:func:`~dcp_ext.incremental.restart_reason`), so frozen weights
-            are not rewritten for nothing and drifting ones are not kept
-            alive in files mostly dead.
+            in a row, a save writes every frame again (a checkpoint needs
+            the files of at most ``max_chain + 1`` saves); earlier when most
+            bytes its base refers to are dead
+            (:func:`~dcp_ext.incremental.restart_reason`).
+        tiers: The five tier settings above as one :class:`~dcp_ext.TierOptions`.
 
     Attributes:
         checkpoints: The :class:`~dcp_ext.root.CheckpointRoot` (tags, ``newest``, deletion).
@@ -128,7 +123,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | Location,
         *,
         storage_options: dict[str, Any] | None = None,
         config: IOConfig | None = None,
@@ -143,22 +138,23 @@ class CheckpointManager:
         keep_local: int | None = 2,
         replicas: int = 0,
         local_tier_bytes: int | None = None,
-        incremental: bool = False,
+        incremental: bool | IncrementalOptions = False,
         max_chain: int = DEFAULT_MAX_CHAIN,
+        tiers: TierOptions | None = None,
     ) -> None:
         if async_uploads not in ASYNC_UPLOADS:
             raise ValueError(f"async_uploads must be 'thread' or 'process', got {async_uploads!r}")
-        tier_options = TierOptions.of(local_tier, persist_every, keep_local, replicas, local_tier_bytes)
-        self.incremental_options = IncrementalOptions(incremental, max_chain)
-        self.root = normalize_path(root)
+        tier_options = TierOptions.given(tiers, local_tier, persist_every, keep_local, replicas, local_tier_bytes)
+        self.incremental_options = IncrementalOptions.given(incremental, max_chain)
+        location = Location.of(root, storage_options, config)
+        self.root = location.url
         self.retention = retention
         self.async_uploads = async_uploads
-        storage_options = dict(storage_options or {})
-        config = config or IOConfig.from_env()
+        storage_options, config = location.storage_options, location.config
         groups = Groups(process_group, config.collective_timeout)
         if tier_options.local_tier is not None:
             groups = groups.for_tiers()
-        self.checkpoints = CheckpointRoot(self.root, config, storage_options)
+        self.checkpoints = CheckpointRoot(location)
         self._ctx = ManagerContext(
             self.root, storage_options, config, groups, MeshInfo.from_device_mesh(mesh) if mesh is not None else None,
             resolve_codec(compression), self.checkpoints,
@@ -266,6 +262,7 @@ class CheckpointManager:
         max_shard_size: int | str = "5GB",
         dtype: torch.dtype | None = None,
         hf_config: dict[str, Any] | str | None = None,
+        full: FullSaveOptions | None = None,
     ) -> AsyncSaveHandle | None:
         """(all ranks) Save a checkpoint under ``tag``.
 
@@ -313,6 +310,7 @@ class CheckpointManager:
             max_shard_size: ``full_format="hf"``: most bytes of tensor data per file.
             dtype: ``full_format="hf"``: cast floating tensors to this dtype.
             hf_config: ``full_format="hf"``: the ``config.json`` to write (dict or JSON string).
+            full: The seven full-save settings above, as one :class:`~dcp_ext.FullSaveOptions`.
 
         Returns:
             The save's handle when ``async_save``, else ``None``.
@@ -322,10 +320,12 @@ class CheckpointManager:
                 ``newest`` or retention failed.
         """
         validate_tag(tag)
+        full = FullSaveOptions.given(full, full_format, include_optimizer, translate_if_full, translate_function,
+                                     max_shard_size, dtype, hf_config)
         model, optimizer = with_registered(model, optimizer)
         if model is None and optimizer is None:
             raise ValueError(NO_MODEL.format(call="save"))
-        if partial and translate_function is not None:
+        if partial and full.translate_function is not None:
             raise ValueError("translate_function applies to full checkpoints (partial=False) only")
         if num_kept_partial_checkpoints is not None and retention is not None:
             raise ValueError("pass num_kept_partial_checkpoints or retention, not both")
@@ -339,11 +339,11 @@ class CheckpointManager:
                 raise ValueError("async_save is only supported for partial checkpoints")
             if model is None:
                 raise ValueError("a full checkpoint needs the model")
-            state = full_state(model, optimizer if include_optimizer else None)
-            if translate_if_full and translate_function is not None:
-                state = translate_state(state, translate_function, f"full checkpoint {tag!r}")
-            self._full.save(tag, state, encoded, full_format=full_format, overwrite=overwrite,
-                            max_shard_size=max_shard_size, dtype=dtype, hf_config=hf_config)
+            state = full_state(model, optimizer if full.include_optimizer else None)
+            if full.translate_if_full and full.translate_function is not None:
+                state = translate_state(state, full.translate_function, f"full checkpoint {tag!r}")
+            self._full.save(tag, state, encoded, full_format=full.full_format, overwrite=overwrite,
+                            max_shard_size=full.max_shard_size, dtype=full.dtype, hf_config=full.hf_config)
             return None
         request = SaveRequest(tag, model, optimizer, encoded, policy, async_save, overwrite, persist)
         if self._tiered is not None:

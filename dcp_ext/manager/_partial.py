@@ -153,7 +153,7 @@ class PartialCheckpoints:
         for attempt in range(2):
             if base is None or base == tag:
                 return None, None
-            lease = Lease(checkpoints.url, tag, base, self.ctx.config, self.ctx.storage_options)
+            lease = Lease(checkpoints.location, tag, base)
             lease.take()
             store = checkpoints.partial_store(base)
             try:

@@ -43,7 +43,7 @@ from ..metadata import METADATA_FILE, StoredItem, encode_metadata
 from ..metadata.chunk_table import ChunkLocations
 from ..metadata.document import FrameIndexRef
 from ..metadata.frame_index import attach_frame_indexes, encode_frame_index
-from ..storage import Piece, Store, normalize_path, open_store, plan_requests
+from ..storage import Location, Piece, Store, plan_requests
 from ._verify import read_own_metadata
 
 __all__ = ["compact", "CompactReport"]
@@ -74,7 +74,7 @@ class CompactReport:
 
 
 def compact(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Location,
     *,
     storage_options: dict[str, Any] | None = None,
     config: IOConfig | None = None,
@@ -101,9 +101,9 @@ def compact(
         ChecksumMismatchError: A frame to copy is damaged (nothing is committed).
         CheckpointCorruptError: The metadata, an index or a file is damaged or missing.
     """
-    config = config or IOConfig.from_env()
-    url = normalize_path(path)
-    store = open_store(url, config, storage_options or {})
+    location = Location.of(path, storage_options, config)
+    config, url, storage_options = location.config, location.url, location.storage_options
+    store = location.open()
     decoded = read_own_metadata(store, storage_options, config)
     section = decoded.incremental
     locations = decoded.metadata.storage_data

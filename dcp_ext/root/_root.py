@@ -31,6 +31,7 @@ checkpoint: it is listed, loadable and never deleted by dcp_ext.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ from ..layout import (
     validate_tag,
 )
 from ..metadata import METADATA_FILE, TORCH_METADATA_FILE
-from ..storage import TMP_MARK, Store, join_path, normalize_path, open_store
+from ..storage import TMP_MARK, Location, Store
 from ._cleanup import LeftoverCleanup, LeftoverReport
 from ._compact import CompactReport, compact
 from ._deletion import TagDirectories
@@ -92,38 +93,46 @@ class CheckpointRoot:
     """The checkpoints under one root path.
 
     Args:
-        root: Local path, ``s3://bucket/prefix`` or fsspec URL.
+        root: Local path, ``s3://bucket/prefix``, any registered or fsspec
+            URL, or a :class:`~dcp_ext.storage.Location` (then its storage
+            options and config are used).
         config: I/O tunables.
-        storage_options: fsspec/s3fs options.
+        storage_options: The store's options.
     """
 
     def __init__(
         self,
-        root: str,
+        root: str | os.PathLike[str] | Location,
         config: IOConfig | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
-        self.url = normalize_path(root)
-        self.config = config or IOConfig.from_env()
-        self.storage_options = dict(storage_options or {})
-        self.store = open_store(self.url, self.config, self.storage_options)
+        #: The root (URL, storage options, config).
+        self.location = Location.of(root, storage_options, config)
+        self.url = self.location.url
+        self.config = self.location.config
+        self.storage_options = self.location.storage_options
+        self.store = self.location.open()
         self._tags = TagDirectories(self.store, self.partial_store, self.partial_url)
         self._cleanup = LeftoverCleanup(self._tags)
 
     def __getstate__(self) -> dict[str, Any]:
         # The open store holds clients and sockets; a copy in another process
         # (a process-based upload's after-commit step) opens its own.
-        return {"url": self.url, "config": self.config, "storage_options": self.storage_options}
+        return {"location": self.location}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"], state["config"], state["storage_options"])  # type: ignore[misc]
+        self.__init__(state["location"])  # type: ignore[misc]
 
     def partial_url(self, tag: str) -> str:
         """Where the partial checkpoint ``tag`` lives."""
-        return join_path(self.url, partial_dir(tag))
+        return self.partial_location(tag).url
+
+    def partial_location(self, tag: str) -> Location:
+        """The location of the partial checkpoint ``tag`` (this root's options)."""
+        return self.location.child(partial_dir(tag))
 
     def partial_store(self, tag: str) -> Store:
-        return open_store(self.partial_url(tag), self.config, self.storage_options)
+        return self.partial_location(tag).open()
 
     def exists(self) -> bool:
         """Whether the root exists at all (a missing one is usually a mistyped path)."""
@@ -154,7 +163,7 @@ class CheckpointRoot:
 
     def hf_store(self, tag: str) -> Store:
         """The folder ``ROOT/{tag}/`` of a Hugging Face export."""
-        return open_store(join_path(self.url, validate_tag(tag)), self.config, self.storage_options)
+        return self.location.child(validate_tag(tag)).open()
 
     def delete_hf_folder(self, tag: str) -> None:
         """Delete the files of the Hugging Face export ``ROOT/{tag}/``: the

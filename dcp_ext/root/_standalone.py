@@ -47,7 +47,7 @@ from ..guard import LOCK_FILE, SaveLock, file_state, stale_lock_seconds
 from ..layout import DATA_SUFFIX, NEWEST_FILE, PARTIAL_SUFFIX, PARTITION_FILE, USER_CONTENT_FILE
 from ..metadata import METADATA_FILE, TORCH_METADATA_FILE, decode_metadata
 from ..metadata.document import REFERENCE_PREFIX
-from ..storage import TMP_MARK, Store, normalize_path, open_store
+from ..storage import Location, Store, TMP_MARK, normalize_path
 
 __all__ = ["DirDeletion", "delete_checkpoint_dir"]
 
@@ -124,7 +124,7 @@ def delete_checkpoint_dir(
                 f"{bare} is a file, not a checkpoint directory dcp_ext wrote (a torch.save file, such as "
                 f"Lightning's TorchCheckpointIO writes?); dcp_ext deletes only checkpoints it wrote and deleted "
                 f"nothing: delete it yourself if you mean to", bare)
-    store = open_store(text, config or IOConfig.from_env(), storage_options)
+    store = Location.of(text, storage_options, config).open()
     if not store.root_exists():
         if is_url:
             _refuse_object(text, storage_options, store.config)
@@ -182,7 +182,7 @@ def _check_ours(store: Store, text: str, storage_options: dict[str, Any] | None)
     name = text.rstrip("/").rpartition("/")[2]
     parent = _parent(text)
     if name.endswith(PARTIAL_SUFFIX) and parent is not None:
-        if open_store(parent, store.config, storage_options).exists(NEWEST_FILE):
+        if Location(parent, storage_options or {}, store.config).open().exists(NEWEST_FILE):
             tag = name[: -len(PARTIAL_SUFFIX)]
             raise InvalidPathError(
                 f"{store.url} is the directory of tag {tag!r} in the checkpoint root {parent}; delete it with "
@@ -207,7 +207,7 @@ def _refuse_object(text: str, storage_options: dict[str, Any] | None, config: IO
     """(a URL naming no directory) Raise if it names a file (object): not a checkpoint dcp_ext wrote."""
     parent = _parent(text)
     name = text.rstrip("/").rpartition("/")[2]
-    if parent is not None and open_store(parent, config, storage_options).exists(name):
+    if parent is not None and Location(parent, storage_options or {}, config).open().exists(name):
         raise ForeignCheckpointError(
             f"{text} is a file, not a checkpoint directory dcp_ext wrote (a torch.save file, such as "
             f"Lightning's TorchCheckpointIO writes?); dcp_ext deletes only checkpoints it wrote and deleted "

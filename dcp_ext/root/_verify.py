@@ -30,7 +30,7 @@ from ..metadata.chunk_table import ChunkLocations
 from ..metadata.document import split_reference
 from ..metadata.frame_index import attach_frame_indexes
 from ..planning import ChunkShapes
-from ..storage import Piece, Store, normalize_path, open_store, plan_requests
+from ..storage import Location, Piece, Store, plan_requests
 
 __all__ = ["verify", "verify_full", "VerifyReport", "Problem"]
 
@@ -167,7 +167,7 @@ def _attach_indexes(
 
 
 def verify(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Location,
     *,
     storage_options: dict[str, Any] | None = None,
     config: IOConfig | None = None,
@@ -199,9 +199,9 @@ def verify(
         CheckpointCorruptError: The metadata itself is damaged (nothing can
             be checked without it).
     """
-    config = config or IOConfig.from_env()
-    url = normalize_path(path)
-    store = open_store(url, config, storage_options or {})
+    location = Location.of(path, storage_options, config)
+    config, url, storage_options = location.config, location.url, location.storage_options
+    store = location.open()
     decoded = read_own_metadata(store, storage_options, config)
     storage: dict[MetadataIndex, StoredItem] = decoded.metadata.storage_data
     problems: list[Problem] = []

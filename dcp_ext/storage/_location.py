@@ -119,6 +119,10 @@ class Location:
         head, sep, _ = text.rpartition("/")
         return dataclasses.replace(self, url=head or "/") if sep else None
 
+    def at(self, url: str | os.PathLike[str]) -> Location:
+        """Another URL with this location's options (a sibling checkpoint of the same root)."""
+        return dataclasses.replace(self, url=os.fspath(url))
+
     def with_config(self, config: IOConfig) -> Location:
         return dataclasses.replace(self, config=config)
 

@@ -239,7 +239,8 @@ class StoreTests:
             won: list[int] = []
             start = threading.Barrier(len(stores))
 
-            def create(k: int, store: Store) -> None:
+            def create(k: int, store: Store, name: str = name, start: threading.Barrier = start,
+                       won: list[int] = won) -> None:
                 start.wait()
                 if store.create_exclusive(name, f"creator {k} ".encode() * 100):
                     won.append(k)

@@ -177,7 +177,7 @@ def choose_base(persistent: CheckpointRoot, tag: str, local_document: bytes, loc
     base = persistent.newest_record()
     if base is None or base == tag:
         return none
-    lease = Lease(persistent.url, tag, base, persistent.config, persistent.storage_options)
+    lease = Lease(persistent.location, tag, base)
     try:
         lease.take()
         store = persistent.partial_store(base)
@@ -260,7 +260,7 @@ def rewrite_files(
     frames = read_base(
         IncrementalSave(persistent.partial_url(base.tag), partial_dir(base.tag), base.tag, base.max_chain,
                         base.document),
-        [w for w in write_items.values() if w is not None], config, storage_options,
+        [w for w in write_items.values() if w is not None], persistent.location,
     )
     attach_frame_indexes(
         locations, sorted(by_file), decoded.frame_indexes,

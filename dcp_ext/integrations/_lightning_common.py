@@ -23,6 +23,7 @@ from dcp_ext.whole_state import load_whole
 
 from . import _checkpoint_dirs as dirs
 from ._io_options import io_config
+from ._lightning_resume import checkpoint_dir
 from ._planning import save_planner
 
 __all__ = ["CheckpointIOMixin", "ModelParallelMixin", "META_FILE"]
@@ -92,7 +93,7 @@ class CheckpointIOMixin:
             raise InvalidOptionError(
                 f"map_location for a dcp_ext checkpoint must be None, a device or a device string, "
                 f"not {type(map_location).__name__} ({os.fspath(path)})", os.fspath(path))
-        text = os.fspath(path)
+        text = checkpoint_dir(path)
         weights_only = True if weights_only is None else weights_only
         if not dirs.is_committed(text, self.storage_options):
             plain = _read_plain_file(text, self.storage_options)
@@ -205,7 +206,7 @@ class ModelParallelMixin:
             set_optimizer_state_dict,
         )
 
-        path = str(self.broadcast(os.fspath(checkpoint_path)))
+        path = checkpoint_dir(str(self.broadcast(os.fspath(checkpoint_path))))
         if not dirs.is_committed(path, self.storage_options):
             if _is_url(path) or not os.path.isfile(path):
                 raise CheckpointNotFoundError(

@@ -39,12 +39,14 @@ Smallest use::
 
 from __future__ import annotations
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ._lightning_common import CheckpointIOMixin, ModelParallelMixin
+from ._lightning_resume import ModelCheckpointMixin, load_module
 
-__all__ = ["DcpExtCheckpointIO", "DcpExtModelParallelStrategy"]
+__all__ = ["DcpExtCheckpointIO", "DcpExtModelCheckpoint", "DcpExtModelParallelStrategy", "load_module"]
 
 
 class DcpExtCheckpointIO(CheckpointIOMixin, CheckpointIO):
@@ -105,4 +107,17 @@ class DcpExtModelParallelStrategy(ModelParallelMixin, ModelParallelStrategy):
         *args: The stock strategy's positional arguments.
         **kwargs: The stock strategy's keyword arguments (``data_parallel_size``,
             ``tensor_parallel_size``, ``save_distributed_checkpoint``...).
+    """
+
+
+class DcpExtModelCheckpoint(ModelCheckpointMixin, ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` for ``dirpath`` on S3 or any URL: ``fit(ckpt_path="last")``
+    finds the newest ``last.ckpt`` there (stock Lightning finds none on an object store and
+    starts over from step 0), and Lightning's own listing and checks get ``storage_options``.
+
+    Args:
+        storage_options: The ``dirpath`` store's options (endpoint, credentials), the same as
+            the plug-in's or strategy's. Installed as fsspec's defaults for ``dirpath``'s
+            scheme, since Lightning builds its file systems without options.
+        args, kwargs: ``ModelCheckpoint``'s.
     """

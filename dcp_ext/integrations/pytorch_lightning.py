@@ -8,12 +8,14 @@ smallest use), built on ``pytorch_lightning``'s base classes instead of
 
 from __future__ import annotations
 
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import CheckpointIO
 from pytorch_lightning.strategies import ModelParallelStrategy
 
 from ._lightning_common import CheckpointIOMixin, ModelParallelMixin
+from ._lightning_resume import ModelCheckpointMixin, load_module
 
-__all__ = ["DcpExtCheckpointIO", "DcpExtModelParallelStrategy"]
+__all__ = ["DcpExtCheckpointIO", "DcpExtModelCheckpoint", "DcpExtModelParallelStrategy", "load_module"]
 
 
 class DcpExtCheckpointIO(CheckpointIOMixin, CheckpointIO):
@@ -22,3 +24,7 @@ class DcpExtCheckpointIO(CheckpointIOMixin, CheckpointIO):
 
 class DcpExtModelParallelStrategy(ModelParallelMixin, ModelParallelStrategy):
     """:class:`dcp_ext.integrations.lightning.DcpExtModelParallelStrategy` on ``pytorch_lightning``'s base classes (same arguments)."""
+
+
+class DcpExtModelCheckpoint(ModelCheckpointMixin, ModelCheckpoint):
+    """:class:`dcp_ext.integrations.lightning.DcpExtModelCheckpoint` on ``pytorch_lightning``'s ``ModelCheckpoint`` (same arguments)."""

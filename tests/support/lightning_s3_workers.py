@@ -73,7 +73,7 @@ def resume_suite(rank: int, world_size: int, s3_root: str, storage_options: dict
         fsdp = kind == "fsdp"
         dirpath = f"{s3_root}/{kind}"
 
-        def strategy() -> Any:
+        def strategy(fsdp: bool = fsdp) -> Any:
             if fsdp:
                 return DcpExtModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
                                                    storage_options=storage_options, compression="zstd")

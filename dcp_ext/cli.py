@@ -29,6 +29,7 @@ from .config import IOConfig
 from .dcp_io import read_hf_index
 from .errors import (
     CheckpointCorruptError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     DcpExtError,
     InvalidOptionError,
@@ -36,7 +37,8 @@ from .errors import (
 )
 from .format import MAX_HEADER, parse_header
 from .full import CREATED_KEY, HF_MARKERS, FullCheckpointReader
-from .hf import HF_INDEX_FILE
+from .full._export import export_partial
+from .hf import HF_INDEX_FILE, export_hf
 from .layout import PARTIAL_SUFFIX, RETIRED_FILE
 from .manager import CheckpointManager
 from .metadata import METADATA_FILE, TORCH_METADATA_FILE, DecodedMetadata, StoredItem
@@ -183,9 +185,11 @@ def _hf_folder_entry(root: CheckpointRoot, tag: str) -> dict[str, Any]:
         return entry | {"state": "damaged"}
 
 
-def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, Any]) -> dict[str, Any]:
-    """The ``ls`` entry of ``ROOT/{tag}_partial``: committed, incomplete or damaged."""
-    path = join_path(root, tag + PARTIAL_SUFFIX)
+def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, Any],
+                   directory: str | None = None) -> dict[str, Any]:
+    """The ``ls`` entry of ``ROOT/{tag}_partial`` (or of ``ROOT/{directory}``, a
+    framework's checkpoint folder): committed, incomplete or damaged."""
+    path = join_path(root, directory if directory is not None else tag + PARTIAL_SUFFIX)
     entry: dict[str, Any] = {"tag": tag, "state": "committed", "newest": tag == newest, "stored_bytes": None,
                              "ratio": None, "world_size": None, "mesh": None, "created": None}
     try:
@@ -217,6 +221,27 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
     except (DcpExtError, ValueError, TypeError, AttributeError, RecursionError):
         pass  # the mesh column is informative; a damaged partition.json is reported when the tag is loaded
     return entry
+
+
+def _framework_folders(root: CheckpointRoot, hf_folders: set[str], options: dict[str, Any]) -> list[str]:
+    """Checkpoint directories the framework adapters write, relative to the root:
+    torchtitan's ``step-N``, Lightning's ``*.ckpt``, Accelerate's
+    ``checkpoint-N/pytorch_model_fsdp_0`` and ``optimizer_0``: any directory
+    (or directory of such a directory) holding a commit marker."""
+    found = []
+    for name in sorted(root.store.list_dirs()):
+        if name.endswith(PARTIAL_SUFFIX) or name in hf_folders:
+            continue
+        folder = root.location.child(name)
+        store = folder.open()
+        if store.exists(METADATA_FILE) or store.exists(TORCH_METADATA_FILE):
+            found.append(name)
+            continue
+        for inner in sorted(store.list_dirs()):
+            inner_store = folder.child(inner).open()
+            if inner_store.exists(METADATA_FILE) or inner_store.exists(TORCH_METADATA_FILE):
+                found.append(f"{name}/{inner}")
+    return found
 
 
 def _load_metadata(path: str, options: dict[str, Any]) -> DecodedMetadata:
@@ -317,7 +342,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                             "stored_bytes": None, "ratio": None, "world_size": None, "mesh": None, "created": None,
                             "tiers": [label for label, tags in tiers if tag in tags]})
     entries += [e for name in root.full_candidates() if (e := _full_checkpoint_entry(store, name))]
-    entries += [_hf_folder_entry(root, tag) for tag in root.hf_folders()]
+    hf_folders = root.hf_folders()
+    entries += [_hf_folder_entry(root, tag) for tag in hf_folders]
+    entries += [_partial_entry(root.url, name, newest, options, directory=name)
+                for name in _framework_folders(root, set(hf_folders), options)]
     if args.json:
         print(json.dumps({"root": store.describe(), "newest": newest, "checkpoints": entries}, indent=1))
         return 0
@@ -400,11 +428,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         out = normalize_path(args.out)
         if "/" not in out:
             out = "./" + out
-    elif "/" not in args.out:  # export ROOT TAG: into the root, as the tag
+    elif "/" not in args.out and not _holds_checkpoint(path, _options(args)):  # export ROOT TAG: into the root
         root, name, out = path, args.out + PARTIAL_SUFFIX, None
+    elif _holds_checkpoint(path, _options(args)):  # a framework's checkpoint folder (step-8, last.ckpt, ...)
+        return _export_folder(args, path)
     else:
-        raise ValueError(f"{path} is not a partial checkpoint directory (its name must end with {PARTIAL_SUFFIX}); "
-                         f"pass ROOT/TAG{PARTIAL_SUFFIX} OUT, or ROOT TAG")
+        raise ValueError(f"{path} holds no committed checkpoint; pass a checkpoint directory and OUT "
+                         f"(ROOT/TAG{PARTIAL_SUFFIX}, torchtitan's step-N, Lightning's *.ckpt...), or ROOT TAG")
     manager = CheckpointManager(root, storage_options=_options(args))
     hf: dict[str, Any] = {}
     if args.format == "hf":
@@ -424,6 +454,42 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 _EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _holds_checkpoint(path: str, options: dict[str, Any]) -> bool:
+    store = Location(path, options).open()
+    return store.exists(METADATA_FILE) or store.exists(TORCH_METADATA_FILE)
+
+
+def _export_folder(args: argparse.Namespace, path: str) -> int:
+    """``export`` of any committed checkpoint directory (not a root's tag): one file, or an HF folder."""
+    options = _options(args)
+    out = normalize_path(args.out)
+    bar = _ProgressBar(f"exporting ({args.format})", args.quiet)
+    try:
+        if args.format == "hf":
+            export_hf(path, out, include_optimizer=args.include_optimizer, overwrite=args.overwrite,
+                               max_shard_size=args.max_shard_size, storage_options=options,
+                               dtype=_EXPORT_DTYPES[args.dtype] if args.dtype else None,
+                               config_json=None if args.hf_config is None else
+                               open(args.hf_config, encoding="utf-8").read())
+            written = Location(out, options).url
+        else:
+            if args.dtype or args.max_shard_size != "5GB" or args.hf_config:
+                raise ValueError("--dtype, --max-shard-size and --hf-config apply to --format hf only")
+            target = Location(out, options)
+            parent = target.parent() or target.at(".")
+            store = parent.open()
+            if store.exists(target.name) and not args.overwrite:
+                raise CheckpointExistsError(f"Checkpoint already exists at {store.describe(target.name)}; pass "
+                                            f"--overwrite", store.describe(target.name))
+            export_partial(path, store, target.name, full_format=args.format, include_optimizer=args.include_optimizer,
+                           storage_options=options, config=IOConfig.from_env(), progress=bar)
+            written = store.describe(target.name)
+    finally:
+        bar.close()
+    print(written)
+    return 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:

@@ -62,3 +62,16 @@ def test_io_options_are_checked_when_the_config_is_built() -> None:
         with pytest.raises(InvalidOptionError, match=words) as info:
             DcpExtCheckpointManager.Config(enable=True, io_options=bad)
         assert "checkpoint.io_options" in str(info.value)
+
+
+def test_storage_options_none_means_none() -> None:
+    """``checkpoint.storage_options=None`` (as TOML's absent table or a user's default) is accepted, as
+    the other adapters accept it (issue 43: it was refused with "must be a dict, not NoneType")."""
+    import pytest
+
+    from dcp_ext.errors import InvalidOptionError
+    from dcp_ext.integrations.torchtitan import DcpExtCheckpointManager
+
+    assert DcpExtCheckpointManager.Config(enable=True, storage_options=None).storage_options == {}
+    with pytest.raises(InvalidOptionError, match="checkpoint.storage_options must be a dict"):
+        DcpExtCheckpointManager.Config(enable=True, storage_options=["key"])  # type: ignore[arg-type]

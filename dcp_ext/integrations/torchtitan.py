@@ -83,7 +83,9 @@ states={"train_state": train_state}, sd_adapter=None)``; every rank calls
 from __future__ import annotations
 
 import re
+import atexit
 import threading
+import weakref
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,7 +138,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
     class Config(CheckpointManager.Config):  # type: ignore[misc]
         """torchtitan's checkpoint settings plus dcp_ext's."""
 
-        storage_options: dict[str, Any] = field(default_factory=dict)
+        storage_options: dict[str, Any] | None = field(default_factory=dict)
         """fsspec/s3fs options for every save, load, listing and deletion
         (S3 ``endpoint_url`` / ``client_kwargs``, ``key``, ``secret``...)."""
 
@@ -162,6 +164,8 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
             if self.compression is not None and self.compression != "zstd":
                 raise InvalidOptionError(
                     f"checkpoint.compression must be 'zstd' or None, not {self.compression!r}")
+            if self.storage_options is None:  # as the other adapters accept it: no options
+                self.storage_options = {}
             if not isinstance(self.storage_options, dict):
                 raise InvalidOptionError(
                     f"checkpoint.storage_options must be a dict, not {type(self.storage_options).__name__}")
@@ -171,7 +175,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         super().__init__(config, **kwargs)
         if not self.enable:
             return
-        self.storage_options: dict[str, Any] = dict(config.storage_options)
+        self.storage_options: dict[str, Any] = dict(config.storage_options or {})
         self.compression = config.compression
         self.overwrite = config.overwrite
         self.verify_checksums = config.verify_checksums
@@ -188,6 +192,10 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
                 target=purge_thread, args=(self.purge_queue, self._remove_checkpoint), daemon=True
             )
             self.purge_thread.start()
+            # torchtitan's purge thread is a daemon: a job that ends without close() would cut its
+            # last deletion off at exit. Each deletion un-commits first (a cut-off one leaves no
+            # half-deleted directory that looks committed), and this finishes the queue at exit.
+            atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- storage ------------------------------------------------------------
     def _writer(self, checkpoint_id: str) -> dcp_ext.CheckpointWriter:
@@ -324,3 +332,10 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         for _, path in found[: -self.keep_latest_k]:
             assert self.purge_thread is not None
             self.purge_queue.put(path)
+
+
+def _close_at_exit(manager: weakref.ref[DcpExtCheckpointManager]) -> None:
+    """(at interpreter exit) Finish the purges still queued (torchtitan's ``close``)."""
+    alive = manager()
+    if alive is not None:
+        alive.close()

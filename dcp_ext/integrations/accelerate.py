@@ -101,11 +101,13 @@ from ._io_options import io_config
 from ._planning import save_planner
 
 __all__ = ["save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer",
-           "MODEL_DIR", "OPTIMIZER_DIR"]
+           "save_checkpoint", "load_checkpoint", "latest_checkpoint", "MODEL_DIR", "OPTIMIZER_DIR",
+           "TRAINING_STATE_DIR"]
 
 #: accelerate's directory names (``accelerate.utils.constants``).
 MODEL_DIR = "pytorch_model_fsdp"
 OPTIMIZER_DIR = "optimizer"
+"""accelerate's directory name of the optimizer state (``accelerate.utils.constants``)."""
 
 
 def _ours(fsdp_plugin: Any, use_dcp: bool, adapter_only: bool, path: str, what: str) -> bool:
@@ -241,3 +243,97 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
                  config=io_config(io_options, "io_options"))
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     accelerator.wait_for_everyone()
+
+
+#: The training state beside the model and optimizer in a :func:`save_checkpoint` folder.
+TRAINING_STATE_DIR = "training_state"
+
+
+def save_checkpoint(accelerator: Any, fsdp_plugin: Any, model: Any, optimizer: Any, output_dir: str | os.PathLike[str],
+                    *, scheduler: Any = None, step: int | None = None, storage_options: dict[str, Any] | None = None,
+                    compression: Any = None, overwrite: bool = True,
+                    io_options: dict[str, Any] | None = None) -> str:
+    """(all processes) A whole training checkpoint in ``output_dir``: the model
+    and optimizer (:func:`save_fsdp_model`, :func:`save_fsdp_optimizer`) and
+    the training state (the LR scheduler's state, ``step``, and each
+    process's torch RNG state) in ``output_dir/training_state``, all through
+    dcp_ext, local or any URL. The training state is written last, so a
+    folder whose three checkpoints are committed is whole
+    (:func:`latest_checkpoint` finds only those).
+
+    Returns:
+        ``output_dir``.
+    """
+    import torch
+
+    root = os.fspath(output_dir)
+    options = {"storage_options": storage_options, "compression": compression, "overwrite": overwrite,
+               "io_options": io_options}
+    save_fsdp_model(fsdp_plugin, accelerator, model, root, **options)
+    save_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, root, **options)
+    state: dict[str, Any] = {
+        "training": {"step": -1 if step is None else int(step),
+                     "scheduler": scheduler.state_dict() if scheduler is not None else {}},
+        "rng": {f"process{accelerator.process_index}": torch.get_rng_state()},
+    }
+    dcp_ext.save(state, dirs.join(root, TRAINING_STATE_DIR), storage_options=storage_options,
+                 compression=compression, overwrite=overwrite, config=io_config(io_options, "io_options"))
+    return root
+
+
+def load_checkpoint(accelerator: Any, fsdp_plugin: Any, model: Any, optimizer: Any, input_dir: str | os.PathLike[str],
+                    *, scheduler: Any = None, storage_options: dict[str, Any] | None = None,
+                    io_options: dict[str, Any] | None = None) -> int | None:
+    """(all processes) Load a :func:`save_checkpoint` folder into ``model``,
+    ``optimizer`` and ``scheduler`` (resharded to the current layout) and
+    restore this process's torch RNG state.
+
+    The RNG states are restored when as many processes load as saved; with
+    another number, each process keeps its own and a warning says so (an RNG
+    stream has no meaning on another process).
+
+    Returns:
+        The saved ``step`` (``None`` if none was given).
+    """
+    import logging
+
+    import torch
+
+    root = os.fspath(input_dir)
+    load_fsdp_model(fsdp_plugin, accelerator, model, root, storage_options=storage_options, io_options=io_options)
+    load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, root, storage_options=storage_options,
+                        io_options=io_options)
+    path = dirs.join(root, TRAINING_STATE_DIR)
+    saved = dcp_ext.load_whole(path, storage_options=storage_options)
+    rng = saved.get("rng", {})
+    mine = rng.get(f"process{accelerator.process_index}")
+    if len(rng) == accelerator.num_processes and isinstance(mine, torch.Tensor):
+        torch.set_rng_state(mine)
+    else:
+        logging.getLogger("dcp_ext.integrations").warning(
+            "%s holds the RNG states of %d processes; %d load it: each keeps its own RNG state", path, len(rng),
+            accelerator.num_processes)
+    training = saved.get("training", {})
+    if scheduler is not None and training.get("scheduler"):
+        scheduler.load_state_dict(training["scheduler"])
+    step = int(training.get("step", -1))
+    return None if step < 0 else step
+
+
+def latest_checkpoint(root: str | os.PathLike[str], *, prefix: str = "checkpoint-",
+                      storage_options: dict[str, Any] | None = None) -> str | None:
+    """(any process) The ``{prefix}N`` folder under ``root`` with the highest
+    ``N`` whose model, optimizer and training state are all committed (a
+    folder a killed save left half written is skipped); ``None`` if none."""
+    import re
+
+    text = os.fspath(root)
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
+    found = []
+    for name in dirs.child_dirs(text, storage_options):
+        match = pattern.match(name)
+        folder = dirs.join(text, name)
+        parts = (f"{MODEL_DIR}_0", f"{OPTIMIZER_DIR}_0", TRAINING_STATE_DIR)
+        if match and all(dirs.is_committed(dirs.join(folder, part), storage_options) for part in parts):
+            found.append((int(match.group(1)), folder))
+    return max(found)[1] if found else None

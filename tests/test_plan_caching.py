@@ -116,7 +116,7 @@ def test_a_refused_save_leaves_no_cache_behind(tmp_path: Path) -> None:
     taken = tmp_path / "taken"
     dcp_ext.save({"x": torch.ones(2)}, str(taken))
     for route in ("dcp_ext", "stock"):
-        def save(state: dict[str, Any], path: Path) -> None:
+        def save(state: dict[str, Any], path: Path, route: str = route) -> None:
             planner = LayoutSavePlanner(enable_plan_caching=True, plan_cache_name=route)
             if route == "dcp_ext":
                 dcp_ext.save(state, str(path), planner=planner)

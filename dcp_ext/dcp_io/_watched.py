@@ -15,6 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from .._runtime import RankWatch, watched_group
 from ..config import IOConfig
 from ..errors import DcpExtError, RankFailedError, unwrap_checkpoint_exception
@@ -50,6 +52,8 @@ def rank_failure(
         return error
     if isinstance(error, DcpExtError):
         return _with_its_rank(watcher, exc, error)
+    if _a_rank_raised_its_own(exc):
+        return error  # every rank arrived: DCP gathered that rank's error for all
     culprits, step = watcher.culprits()
     if not culprits:
         return error
@@ -63,6 +67,29 @@ def rank_failure(
     )
     failed.__cause__ = error
     return failed
+
+
+def _a_rank_raised_its_own(exc: BaseException) -> bool:
+    """Whether DCP gathered a rank's own failure (not a failed collective):
+    then every rank arrived, and nobody is missing."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return False
+    for entry in failures.values():
+        raised = entry[0] if isinstance(entry, tuple) else entry
+        if isinstance(raised, BaseException) and not _is_transport_error(raised):
+            return True
+    return False
+
+
+def _is_transport_error(err: BaseException) -> bool:
+    """A failed collective or rendezvous (gloo, NCCL, the store, a timeout)."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, (RuntimeError, TimeoutError, ConnectionError)) and any(
+        word in text for word in ("gloo", "nccl", "timed out", "connection", "socket", "store")
+    )
 
 
 def _with_its_rank(watcher: RankWatch, exc: BaseException, error: DcpExtError) -> BaseException:

@@ -20,8 +20,10 @@ from tests.support.s3_servers import S3Server, isolated_aws_env, serving
 
 # Spawned worlds fork their ranks from one server process that imported torch
 # once, instead of paying a fresh interpreter and `import torch` per rank
-# (see tests/support/dist.py).
+# (see tests/support/dist.py); it imports dcp_ext once too, failure points
+# disarmed (see tests/support/forkserver_preload.py).
 _dist.START_METHOD = "forkserver"
+_dist.FORKSERVER_PRELOAD = [*_dist.FORKSERVER_PRELOAD, "tests.support.forkserver_preload"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -65,16 +67,38 @@ def make_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     return lambda kind: backend_for(kind, request, tmp_path)
 
 
-#: The slowest test files (measured: ``--durations`` of a whole run on 2 cores),
-#: longest first. ``--dist loadfile`` hands files to the two workers in
-#: collection order, so starting with these leaves short files for the end
-#: instead of one worker finishing a 2-minute file while the other idles.
-_SLOWEST_FILES_FIRST = (
-    "test_tiers.py", "test_tutorials.py", "test_torture.py", "test_deletion_rule.py", "test_checkpoint_api.py",
-    "test_demo_and_readme.py", "test_resources.py", "test_reshard.py", "test_hf_export.py", "test_s3_request_rate.py",
-)
+#: Seconds each test file took (its tests' durations, on 2 busy cores
+#: with both workers running, 2026-11-28); files not listed count as
+#: :data:`_UNLISTED_SECONDS`. Longest first is the order the two workers get
+#: files in (``--dist loadfile``: each file on one worker; a worker is sent its
+#: next file when it has two tests left), so that the last files handed out
+#: are short ones, instead of one worker finishing a 2-minute file while the
+#: other idles. Re-measure with ``--durations=0`` when a file's time changes
+#: a lot.
+_FILE_SECONDS = {
+    "test_tutorials.py": 150, "test_tiers.py": 110, "test_cluster.py": 90, "test_liveness.py": 55,
+    "test_torture.py": 50, "test_cluster_tiers.py": 35, "test_accelerate_recipe.py": 32, "test_integrations_megatron.py": 27,
+    "test_overwrite.py": 20, "test_demo_and_readme.py": 35, "test_deletion_rule.py": 35,
+    "test_checkpoint_api.py": 20, "test_hf_export.py": 25, "test_fuzz_inputs.py": 25, "test_resources.py": 25,
+    "test_s3_faults_and_errors.py": 25, "test_multirank.py": 22, "test_s3_request_rate.py": 20,
+    "test_smp_parity.py": 20, "test_plan_caching.py": 20, "test_async_staging.py": 19, "test_cluster_fixture.py": 19,
+    "test_integrations_lightning.py": 18, "test_reshard.py": 16, "test_scale.py": 15, "test_read_once.py": 15,
+    "test_s3_timeouts.py": 14, "test_adapter_deletion.py": 13, "test_incremental.py": 12, "test_s3_servers.py": 11,
+    "test_damage_and_hostile.py": 11, "test_tier_names.py": 10, "test_save_lock.py": 10, "test_store_contract.py": 9,
+    "test_integrations_torchtitan.py": 9, "test_cli.py": 8, "test_codecs_and_integrity.py": 8,
+    "test_integrations_accelerate.py": 7, "test_store_gcs.py": 22, "test_store_azure.py": 20,
+    "test_integrations_torch_checkpointing.py": 16, "test_lightning_s3_resume.py": 12, "test_rank_state.py": 10, "test_roundtrip.py": 6, "test_hostile_inputs.py": 6,
+}
+_UNLISTED_SECONDS = 4.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist (3.x) sorts the files of --dist loadfile by how many tests
+    # each holds, unless told not to: a 2-minute file with one test would go
+    # last. It reads this option when it schedules, after configuration.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(_SLOWEST_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    items.sort(key=lambda item: -_FILE_SECONDS.get(item.path.name, _UNLISTED_SECONDS))  # stable within a file

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -16,7 +14,7 @@ from torch import nn
 import dcp_ext
 from dcp_ext import CheckpointManager, resume_from_checkpoint, save_checkpoint
 from dcp_ext.layout import Partition
-from tests.support import api_workers
+from tests.support import forked, api_workers
 from tests.support.backends import BUCKET
 from tests.support.compare import assert_same_state
 from tests.support.dist import run_world
@@ -62,7 +60,8 @@ def test_layout_partition_and_export(tmp_path: Path) -> None:
         "stop.set(); t.join()\n"
         "print(json.dumps({'grew_kib': (peak[0] - base) // 1024, 'paths': [a, b]}))\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    # Forked from the suite's fork server (tests/support/forked.py): torch is imported there already.
+    result = forked.run("tests.support.forked:python_c", [script], timeout=300)
     assert result.returncode == 0, result.stderr
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["grew_kib"] * 1024 < model_bytes, (measured, model_bytes)  # measured: ~15 MiB of 32

@@ -3,6 +3,13 @@ save in flight refers to is deleted or rewritten, and cleanup touches only
 what dcp_ext wrote. Each test is a finding of issue 32 that lost a checkpoint
 before; the concurrent ones run real jobs and real ``dcp-ext`` commands in
 other processes, on local disk and on SeaweedFS.
+
+Those processes are forked from the suite's fork server (tests/support/forked.py:
+each its own process, session and environment, running ``dcp_ext.cli.main``
+or ``tests.support.root_jobs.main`` as ``python -m`` would) instead of fresh
+interpreters, which would each spend 2-3 s of CPU importing torch; the
+``python -m dcp_ext`` entry point itself is run by tests/test_cli.py and
+tests/test_demo_and_readme.py.
 """
 
 from __future__ import annotations
@@ -10,7 +17,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -26,15 +32,48 @@ from dcp_ext.guard._liveness import this_process
 from dcp_ext.guard._save_lock import _process_stat
 from dcp_ext.layout import InvalidTagError
 from dcp_ext.layout import RETIRED_FILE, strays_marker
+from tests.support import forked
 from tests.support.backends import Backend, backend_for
 from tests.support.root_jobs import model_at
 
 from tests.support.root_cli import REPO
-from tests.support.root_cli import PausedJob as _PausedJob
 from tests.support.root_cli import env as _env
 from tests.support.root_cli import loads as _loads
 from tests.support.root_cli import manager as _manager
-from tests.support.root_cli import run_cli as _cli
+
+
+def _cli(backend: Backend, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    """``dcp-ext ARGS`` in another process (``tests.support.root_cli.run_cli``, forked)."""
+    options = ["--storage-options", json.dumps(backend.storage_options)] if backend.storage_options else []
+    return forked.run("dcp_ext.cli:main", [*options, *args], env=_env(backend, **extra_env), cwd=REPO)
+
+
+def _job(backend: Backend, root: str, tag: str, step: int, keep: int | None = None,
+         **extra_env: str) -> forked.Forked:
+    """``python -m tests.support.root_jobs ROOT OPTIONS TAG STEP [KEEP]``, forked."""
+    argv = [root, json.dumps(backend.storage_options), tag, str(step)] + ([str(keep)] if keep else [])
+    return forked.start("tests.support.root_jobs:main", argv, env=_env(backend, **extra_env), cwd=REPO, text=True)
+
+
+class _PausedJob:
+    """A save of ``tag`` in another process paused at ``point`` until :meth:`go`
+    (``tests.support.root_cli.PausedJob``, forked)."""
+
+    def __init__(self, backend: Backend, root: str, tag: str, step: int, gate: Path, keep: int | None = None,
+                 point: str = "before_metadata") -> None:
+        self.gate = gate
+        self.proc = _job(backend, root, tag, step, keep, DCP_EXT_PAUSE_AT=point, DCP_EXT_PAUSE_FILE=str(gate))
+        deadline = time.monotonic() + 120
+        while not Path(f"{gate}.reached").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"the job never reached {point}: {self.proc.communicate()}")
+            time.sleep(0.05)
+
+    def go(self) -> tuple[int, str]:
+        self.gate.touch()
+        _, err = self.proc.communicate(timeout=120)
+        return int(self.proc.returncode or 0), err
 
 
 def test_tag_reuse_never_rewrites_files_others_refer_to(tmp_path: Path) -> None:
@@ -93,8 +132,7 @@ def test_cleanup_touches_only_what_dcp_ext_wrote(tmp_path: Path) -> None:
     with pytest.raises(ForeignCheckpointError, match="torch's own writer"):
         manager.delete("init")
     assert dcp_ext.CheckpointRoot(str(root)).remove_leftovers().uncommitted == ()
-    listed = subprocess.run([sys.executable, "-m", "dcp_ext", "ls", str(root), "--json"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    listed = forked.run("dcp_ext.cli:main", ["ls", str(root), "--json"], cwd=REPO)
     states = {entry["tag"]: entry["state"] for entry in json.loads(listed.stdout)["checkpoints"]}
     assert states["init"] == "torch" and states["step2"] == "committed", listed.stdout
     assert (root / "init_partial" / ".metadata").exists() and (root / "crashed_partial" / "__0_0.distcp").exists()
@@ -227,9 +265,8 @@ def test_killed_compaction_is_swept_by_the_next_save(tmp_path: Path) -> None:
     manager = _manager(backend, root)
     for step in (1, 2, 3):
         manager.save(f"step{step}", model_at(step))
-    killed = subprocess.run([sys.executable, "-m", "dcp_ext", "compact", root, "step3"], cwd=REPO,
-                            env=_env(backend, DCP_EXT_CRASH_AT="mid_compact"), capture_output=True, text=True,
-                            timeout=120)
+    killed = forked.run("dcp_ext.cli:main", ["compact", root, "step3"], cwd=REPO,
+                        env=_env(backend, DCP_EXT_CRASH_AT="mid_compact"))
     assert killed.returncode == -9, killed
     directory = Path(root) / "step3_partial"
     assert [p.name for p in directory.glob("*-c*.distcp")] and (Path(root) / strays_marker("step3")).exists()
@@ -251,10 +288,9 @@ def test_two_jobs_on_one_root_with_keep_last_one(kind: str, request: pytest.Fixt
     manager = _manager(backend, root)
     manager.save("a0", model_at(1))
     job_a = _PausedJob(backend, root, "a1", 2, tmp_path / "go", keep=1)
-    job_b = subprocess.run([sys.executable, "-m", "tests.support.root_jobs", root,
-                            json.dumps(backend.storage_options), "b1", "5", "1"],
-                           cwd=REPO, env=_env(backend), capture_output=True, text=True, timeout=120)
-    assert job_b.returncode == 0, job_b.stderr
+    job_b = _job(backend, root, "b1", 5, 1)
+    _, job_b_err = job_b.communicate(timeout=120)
+    assert job_b.returncode == 0, job_b_err
     assert manager.read_newest() == "b1" and "a0" in manager.tags()
     code, err = job_a.go()
     assert code == 0, err

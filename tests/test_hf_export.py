@@ -363,11 +363,10 @@ def test_export_killed_at_any_point_leaves_no_committed_folder_and_the_next_expo
     then while a new export is about to write its index: neither leaves a
     folder that claims to be committed; the next export of the folder writes
     a complete, verified one and removes the killed run's temporaries and
-    surplus shards."""
-    import subprocess
-    import sys
-
+    surplus shards. (Each killed export runs as ``python -c`` would, in a
+    process forked from the suite's fork server: tests/support/forked.py.)"""
     from dcp_ext.storage._base import TMP_MARK
+    from tests.support import forked
 
     folder = tmp_path / "hf"
     dcp_ext.save_hf(_hf_state(1), folder, max_shard_size=60_000)  # 3 files of two 25.6 KB tensors
@@ -375,8 +374,8 @@ def test_export_killed_at_any_point_leaves_no_committed_folder_and_the_next_expo
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
 
     def killed(point: str, seed: int, shard: int) -> None:
-        run = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, str(folder), str(seed), str(shard)],
-                             env={**env, "DCP_EXT_CRASH_AT": point}, capture_output=True, text=True, timeout=120)
+        run = forked.run("tests.support.forked:python_c", [_KILLED_EXPORT, str(folder), str(seed), str(shard)],
+                         env={**env, "DCP_EXT_CRASH_AT": point})
         assert run.returncode == -9, (point, run.returncode, run.stderr[-2000:])
 
     # 1. Killed mid-file while overwriting: the old index went first, the open file is a temporary.

@@ -9,8 +9,6 @@ local disk and SeaweedFS."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ import torch
 
 import dcp_ext
 from dcp_ext.errors import CheckpointIncompleteError
+from tests.support import forked
 from tests.support.backends import backend_for
 from tests.support.overwrite_job import model, state
 from tests.support.root_cli import REPO, env
@@ -26,9 +25,9 @@ from tests.support.root_cli import REPO, env
 
 def _overwrite(kind: str, path: str, value: float, options: dict[str, Any], crash: str | None) -> int:
     extra = {"DCP_EXT_CRASH_AT": crash} if crash else {}
-    done = subprocess.run([sys.executable, "-m", "tests.support.overwrite_job", kind, path, str(value),
-                           json.dumps(options)], cwd=REPO, env=env(None, **extra), capture_output=True, text=True,
-                          timeout=120)
+    # Forked from the suite's fork server (tests/support/forked.py): a process of its own, no fresh interpreter.
+    done = forked.run("tests.support.overwrite_job:main", [kind, path, str(value), json.dumps(options)],
+                      cwd=REPO, env=env(None, **extra))
     return done.returncode
 
 

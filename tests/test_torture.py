@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from tests.support import crash_torture
 from tests.support.crash_torture import Beside, concurrent_sequence, run_side_by_side, trial_sequence
 
 
-def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path) -> None:
+def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three sequences of killed 2-rank jobs, their k-th jobs side by side (each
     on its own root; every check after every trial, in this process).
 
@@ -26,7 +29,13 @@ def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path) -> None
     (random-time kills: ``python -m bench.torture --incremental``, 18 of the
     60 trials of bench/results/torture-incremental-2026-11-27.json). Every
     kept tag must load bit-exact after every trial. (Plain sync saves are
-    crash-tested by bench.torture; the crash points are the same code.)"""
+    crash-tested by bench.torture; the crash points are the same code.)
+
+    Each job (and each ``dcp-ext`` command beside one) is a process of its
+    own, in its own session, forked from the suite's fork server instead of
+    a fresh interpreter (``crash_torture.JOB_START``; bench.torture execs).
+    """
+    monkeypatch.setattr(crash_torture, "JOB_START", "fork")
     async_crashes = ["none", "0:mid_data", "all:before_metadata", "0:before_newest", "none"]
     crashes = [
         "none", "0:before_newest", "0:mid_retention", "1:before_data", "0:mid_data", "all:after_data",

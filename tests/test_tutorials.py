@@ -25,6 +25,11 @@ _spec.loader.exec_module(run)
 NOTEBOOKS = run.notebooks()
 #: Slowest first (measured here), so the two at a time finish close together.
 _SLOWEST_FIRST = ["02", "04", "03", "05", "06", "01"]
+#: The notebooks in the order they run, which is also the order of their
+#: tests: each test waits for its own notebook only, so ``--durations``
+#: shows what each one adds (the first test also waits for the kernels'
+#: start, the last for the end of the notebook beside it).
+IN_RUN_ORDER = sorted(NOTEBOOKS, key=lambda p: next((i for i, k in enumerate(_SLOWEST_FIRST) if p.name.startswith(k)), 99))
 
 
 def _execute(path: str) -> Any:
@@ -40,9 +45,8 @@ def executed() -> Iterator[dict[str, concurrent.futures.Future[Any]]]:
     subprocesses, rendezvous), so two at a time take ~40% less wall time
     on 2 cores than one after another.
     """
-    order = sorted(NOTEBOOKS, key=lambda p: next((i for i, k in enumerate(_SLOWEST_FIRST) if p.name.startswith(k)), 99))
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield {p.stem: pool.submit(_execute, str(p)) for p in order}
+        yield {p.stem: pool.submit(_execute, str(p)) for p in IN_RUN_ORDER}
 
 
 def test_the_six_tutorials_are_there() -> None:
@@ -50,7 +54,7 @@ def test_the_six_tutorials_are_there() -> None:
     assert len(names) == 6, names
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", IN_RUN_ORDER, ids=lambda p: p.stem)
 def test_tutorial_runs(path: Path, executed: dict[str, concurrent.futures.Future[Any]]) -> None:
     notebook = executed[path.stem].result()
     code = [c for c in notebook.cells if c.cell_type == "code"]

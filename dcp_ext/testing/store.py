@@ -228,13 +228,13 @@ class StoreTests:
 
     def test_racing_creators_have_exactly_one_winner(self, location: Location) -> None:
         """Eight stores of their own (their own clients) create one name at
-        once, 25 rounds: exactly one wins each round, and the file holds the
+        once, 10 rounds: exactly one wins each round, and the file holds the
         winner's whole content (the save lock and commit marker rely on it)."""
         url_of, options = location
         url = url_of("race")
         self.open(url, options).ensure_root()
         stores = [self.open(url, options) for _ in range(8)]
-        for round_ in range(25):
+        for round_ in range(10):
             name = f"lock{round_}"
             won: list[int] = []
             start = threading.Barrier(len(stores))

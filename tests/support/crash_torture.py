@@ -62,13 +62,21 @@ from dcp_ext.layout import DATA_SUFFIX
 from dcp_ext.metadata import METADATA_FILE
 from dcp_ext.layout import RETIRED_FILE, strays_marker
 from dcp_ext.storage import TMP_MARK
-from tests.support import REPO
+from tests.support import REPO, forked
 from tests.support.compare import state_diff
 from tests.support.crash_job import KEEP, MODES, is_incremental, make_model
 from tests.support.side_by_side import drive
 
 #: The job, run as a module from the repository root.
 JOB = [sys.executable, "-m", "tests.support.crash_job"]
+#: How a trial's job and what runs beside it start: ``"exec"``, a fresh
+#: interpreter each (``python -m tests.support.crash_job``, ``python -m
+#: dcp_ext``; ``bench/torture.py``), or ``"fork"``, forked from the test's
+#: fork server (tests/support/forked.py; tests/test_torture.py): the same
+#: code, sessions, environment and kills, without the interpreter start and
+#: ``import torch`` of each job, its ranks' fork server and each CLI (about
+#: 6 s of CPU per job, 3 s per CLI).
+JOB_START = "exec"
 #: Seconds a job may take before the trial counts as hung.
 JOB_TIMEOUT = 180
 
@@ -248,7 +256,7 @@ def _run_job(root: Path, step: int, crash: str, mode: str) -> _JobOutcome:
     return _finish_job(_start_job((root, step, crash, mode)))
 
 
-_Started = tuple[subprocess.Popen[bytes], float, "tuple[subprocess.Popen[bytes], float] | None"]
+_Started = tuple[Any, float, "tuple[Any, float] | None"]  # subprocess.Popen or forked.Forked
 
 
 def _start_job(job: tuple[Any, ...]) -> _Started:
@@ -256,23 +264,51 @@ def _start_job(job: tuple[Any, ...]) -> _Started:
     ``step{step}``, and what runs beside it; the processes and when they started."""
     root, step, crash, mode = job[:4]
     beside: Beside | None = job[4] if len(job) > 4 else None
-    main = subprocess.Popen([*JOB, str(Path(root).resolve()), str(step), crash, mode], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    argv = [str(Path(root).resolve()), str(step), crash, mode]
+    if JOB_START == "fork":
+        main: Any = forked.start("tests.support.crash_torture:forked_job", argv, cwd=REPO)
+    else:
+        main = subprocess.Popen([*JOB, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)
     started = time.monotonic()
     other = None
     if beside is not None:
         env = dict(os.environ)
         if beside.kind == "job":
-            command = [*JOB, str(Path(root).resolve()), str(beside.step), beside.crash, mode]
+            target, args = "tests.support.crash_torture:forked_job", [argv[0], str(beside.step), beside.crash, mode]
+            command = [*JOB, *args]
         else:
-            command = [sys.executable, "-m", "dcp_ext", beside.kind, str(Path(root).resolve())]
-            command += [beside.tag or ""] if beside.kind == "compact" else ["--keep", "1"]
+            args = [beside.kind, argv[0]] + ([beside.tag or ""] if beside.kind == "compact" else ["--keep", "1"])
+            target, command = "dcp_ext.cli:main", [sys.executable, "-m", "dcp_ext", *args]
             if beside.crash != "none":
                 env["DCP_EXT_CRASH_AT"] = beside.crash
-        delayed = ["sh", "-c", 'sleep "$0"; exec "$@"', f"{beside.delay:.2f}", *command]
-        other = (subprocess.Popen(delayed, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  start_new_session=True), started)
+        if JOB_START == "fork":
+            other = (forked.start(target, args, env=env, cwd=REPO, delay=beside.delay), started)
+        else:
+            delayed = ["sh", "-c", 'sleep "$0"; exec "$@"', f"{beside.delay:.2f}", *command]
+            other = (subprocess.Popen(delayed, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      start_new_session=True), started)
     return main, started, other
+
+
+def forked_job(argv: list[str]) -> None:
+    """``python -m tests.support.crash_job ARGV`` in a process forked from the
+    test's fork server (:data:`JOB_START` ``"fork"``): torch is imported
+    already, so the two ranks fork from this process, in its process group
+    (a kill of ``all`` still takes the job and both ranks)."""
+    from tests.support import dist
+    from tests.support.crash_job import job
+
+    dist.START_METHOD = "fork"
+    dist.run_world(2, job, argv[0], int(argv[1]), argv[2], argv[3], timeout=120.0)
+
+
+def _kill_group(job: Any) -> None:
+    """SIGKILL a started job's process group (it leads its own session)."""
+    if isinstance(job, forked.Forked):
+        job.kill()
+    else:
+        os.killpg(job.pid, signal.SIGKILL)
 
 
 def _finish_job(run: _Started) -> _JobOutcome:
@@ -284,14 +320,14 @@ def _finish_job(run: _Started) -> _JobOutcome:
     return dataclasses.replace(outcome, beside=_wait(*other))
 
 
-def _wait(job: subprocess.Popen[bytes], started: float) -> _JobOutcome:
+def _wait(job: Any, started: float) -> _JobOutcome:
     """Wait for a started process, at most :data:`JOB_TIMEOUT` seconds after it
     started (then kill its process group: it hung)."""
     hung = False
     try:
         _, err = job.communicate(timeout=max(1.0, JOB_TIMEOUT - (time.monotonic() - started)))
     except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
+        _kill_group(job)
         _, err = job.communicate()
         hung = True
     return _JobOutcome(job.returncode, err.decode(errors="replace")[-500:], time.monotonic() - started, hung)
@@ -363,7 +399,7 @@ def _abandon_job(run: _Started) -> None:
     still runs (a side-by-side job failed)."""
     for job in (run[0], run[2][0] if run[2] is not None else None):
         if job is not None and job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+            _kill_group(job)
             job.communicate()
 
 

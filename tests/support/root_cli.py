@@ -79,6 +79,10 @@ def run_cli(backend: Backend, *args: str, pid_namespace: bool = False, **extra_e
     """``dcp-ext ARGS`` in another process (``pid_namespace``: in a new PID
     namespace of its own, through ``unshare -p -f --mount-proc``)."""
     options = ["--storage-options", json.dumps(backend.storage_options)] if backend.storage_options else []
+    if not pid_namespace:  # forked from the suite's fork server: no fresh interpreter and torch import
+        from tests.support import forked
+
+        return forked.run("dcp_ext.cli:main", [*options, *args], env=env(backend, **extra_env), cwd=REPO)
     command = [sys.executable, "-m", "dcp_ext", *options, *args]
     if pid_namespace:
         command = ["unshare", "-p", "-f", "--mount-proc", *command]

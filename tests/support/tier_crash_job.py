@@ -60,15 +60,25 @@ def job(rank: int, world_size: int, root: str, local_base: str, step: int, crash
     manager.close()
 
 
-if __name__ == "__main__":
+def main(argv: list[str], start_method: str = "forkserver") -> None:
+    """Run the job: ``argv`` as on the command line (ROOT LOCAL_BASE STEP CRASH [incremental])."""
     from tests.support import dist
     from tests.support.dist import run_world
 
+    dist.START_METHOD = start_method
+    run_world(2, job, argv[0], argv[1], int(argv[2]), argv[3], argv[4:] == ["incremental"], timeout=120.0)
+
+
+def forked_main(argv: list[str]) -> None:
+    """:func:`main` in a process forked from the test's fork server
+    (tests/support/forked.py): torch is imported already, so the ranks fork
+    from this process itself, in its process group."""
+    main(argv, start_method="fork")
+
+
+if __name__ == "__main__":
     # Both ranks fork from one process that imported torch once (dist.py), not
     # two fresh interpreters each importing it: on 2 busy cores that is about a
     # second of CPU per job. That process is this job's child, in its process
     # group, so a kill of "all" (killpg) still takes the job and both ranks.
-    dist.START_METHOD = "forkserver"
-
-    run_world(2, job, sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:] == ["incremental"],
-              timeout=120.0)
+    main(sys.argv[1:])

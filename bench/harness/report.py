@@ -29,6 +29,14 @@ TARGETS: list[tuple[str, str, str, str, str, float, str]] = [
      "S3 save: dcp_ext / s3torchconnector (equal threads)"),
     ("s3_load_s3tc", "s3", "load", "dcp_ext", "s3torchconnector", 1.4,
      "S3 load: dcp_ext / s3torchconnector (equal threads)"),
+    ("gcs_save_raw", "gcs", "save", "dcp_ext", "raw", 0.8, "GCS save: dcp_ext / raw parallel upload + compose ceiling"),
+    ("gcs_save_fsspec", "gcs", "save", "dcp_ext", "torch_default", 1.3, "GCS save: dcp_ext / torch FsspecWriter (gcsfs)"),
+    ("gcs_load_raw", "gcs", "load", "dcp_ext", "raw", 0.8, "GCS load: dcp_ext / raw ranged GET ceiling"),
+    ("gcs_load_fsspec", "gcs", "load", "dcp_ext", "torch_default", 1.3, "GCS load: dcp_ext / torch FsspecReader (gcsfs)"),
+    ("az_save_raw", "az", "save", "dcp_ext", "raw", 0.8, "Azure save: dcp_ext / raw Put Block ceiling"),
+    ("az_save_fsspec", "az", "save", "dcp_ext", "torch_default", 1.3, "Azure save: dcp_ext / torch FsspecWriter (adlfs)"),
+    ("az_load_raw", "az", "load", "dcp_ext", "raw", 0.8, "Azure load: dcp_ext / raw ranged GET ceiling"),
+    ("az_load_fsspec", "az", "load", "dcp_ext", "torch_default", 1.3, "Azure load: dcp_ext / torch FsspecReader (adlfs)"),
 ]
 # Thresholds that differ for one world size: (target id, world) -> threshold
 # (issue 15: a 2-rank warm load pays DCP planning of DTensor state twice on 2 cores).
@@ -222,8 +230,10 @@ def render(result: dict[str, Any], chart: str | None = None) -> str:
         add("The chart shows the medians of the tables below (whiskers: min–max over rounds); "
             "`python -m bench --render` or `python -m bench.chart` redraws it.")
         add("")
-    titles = {"local": f"Local disk (`{m.get('workdir_device', '?')}`, ext4)", "s3": "S3: SeaweedFS `weed mini` on 127.0.0.1"}
-    for kind in ("local", "s3"):
+    titles = {"local": f"Local disk (`{m.get('workdir_device', '?')}`, ext4)", "s3": "S3: SeaweedFS `weed mini` on 127.0.0.1",
+              "az": f"Azure Blob: Azurite {m.get('azurite_version', '?')} (on disk) on 127.0.0.1",
+              "gcs": f"GCS: fake-gcs-server {m.get('fake_gcs_version', '?')} (in memory) on 127.0.0.1"}
+    for kind in ("local", "s3", "az", "gcs"):
         table = summary["throughput"].get(kind)
         if not table:
             continue

@@ -45,6 +45,12 @@ class Ctx:
     raw_src: torch.Tensor | None = None
     raw_dst: torch.Tensor | None = None
     _boto3: Any = field(default=None, repr=False)
+    #: Azurite's endpoint, container and connection string (``bench.harness.azure_systems``).
+    az: dict[str, Any] | None = None
+    _az_pool: Any = field(default=None, repr=False)
+    #: fake-gcs-server's endpoint and bucket (``bench.harness.gcs_systems``).
+    gcs: dict[str, Any] | None = None
+    _gcs_side: Any = field(default=None, repr=False)
 
     @property
     def bucket(self) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import azure_systems, gcs_systems
 from .state import build_state, local_nbytes, make_spec
 from .systems import Ctx, DcpExt, System, make_systems
 
@@ -57,6 +58,16 @@ def _import_all(kinds: list[str], s3tc: bool) -> None:
 
         if s3tc:
             import s3torchconnector.dcp  # noqa: F401
+    if "az" in kinds:
+        import adlfs  # noqa: F401
+    if "gcs" in kinds:
+        import gcsfs  # noqa: F401  (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: set by gcs_systems)
+
+
+def _systems(kind: str, params: dict[str, Any]) -> list[System]:
+    if kind == "gcs":
+        return gcs_systems.make_gcs_systems(params)
+    return azure_systems.make_systems(params) if kind == "az" else make_systems(kind, params)
 
 
 def _timed(fn: Any, *args: Any) -> float:
@@ -178,12 +189,13 @@ def throughput(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     nbytes = local_nbytes(state)
     ctx = Ctx(
         rank, world, params, cfg["workdir"], cfg.get("s3"),
-        raw_src=_raw_buffer(nbytes, 7 + rank), raw_dst=torch.zeros(nbytes, dtype=torch.uint8),
+        raw_src=_raw_buffer(nbytes, 7 + rank), raw_dst=torch.zeros(nbytes, dtype=torch.uint8), az=cfg.get("az"),
+        gcs=cfg.get("gcs"),
     )
     _log(rank, f"  [{world} rank(s)] built state dicts: {spec.count} tensors, "
                f"{spec.nbytes / 2**20:.1f} MiB total, {nbytes / 2**20:.1f} MiB on this rank "
                f"({time.perf_counter() - t0:.1f}s)")
-    systems = {kind: make_systems(kind, params) for kind in kinds}
+    systems = {kind: _systems(kind, params) for kind in kinds}
 
     if cfg.get("warmup", True):
         # Untimed pass on a small state dict: imports, lazy init, first connections.
@@ -197,7 +209,7 @@ def throughput(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         )
         for kind in kinds:
             _round(wctx, systems[kind], small, small_dest, f"w{world}-warmup", ["warm"], True)
-        ctx._boto3 = wctx._boto3
+        ctx._boto3, ctx._az_pool, ctx._gcs_side = wctx._boto3, wctx._az_pool, wctx._gcs_side
         del small, small_dest, wctx
         gc.collect()
         _log(rank, f"  [{world} rank(s)] warm-up pass done ({time.perf_counter() - t0:.1f}s)")
@@ -307,8 +319,9 @@ def rss(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     spec = make_spec(int(cfg["size"]), int(cfg["layers"]))
     state = build_state(spec, rank, world, mesh)
     gc.collect()
-    ctx = Ctx(rank, world, params, cfg["workdir"], cfg.get("s3"))
-    system = DcpExt(kind, defaults=True)
+    ctx = Ctx(rank, world, params, cfg["workdir"], cfg.get("s3"), az=cfg.get("az"), gcs=cfg.get("gcs"))
+    system: System = azure_systems.DcpExtAzure(defaults=True) if kind == "az" else \
+        gcs_systems.DcpExtGCS() if kind == "gcs" else DcpExt(kind, defaults=True)
     loc = system.location(ctx, f"rss-w{world}")
     if rank == 0:
         system.cleanup(ctx, loc)

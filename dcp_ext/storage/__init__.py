@@ -3,7 +3,8 @@
 A :class:`Location` (URL, storage options, config, backend options) opens its
 store through the factory registered for its scheme (:func:`register_store`,
 or the entry point group ``dcp_ext.stores``): a plain path or ``file://`` URL
-is :class:`LocalStore`, ``s3://`` is :class:`S3Store`, any other URL without
+is :class:`LocalStore`, ``s3://`` is :class:`S3Store`, ``az://``/``abfs[s]://``
+:class:`AzureStore`, ``gs://``/``gcs://`` :class:`GCSStore`, any other URL without
 a store of its own the generic :class:`FsspecStore`. A new store is one
 module with a :class:`Store` subclass and one registration.
 """
@@ -35,7 +36,11 @@ from ._registry import (
 )
 from ._s3_client import clear_client_cache
 from ._s3_options import S3Options
+from ._azure_options import AzureOptions
+from ._gcs_options import GCSOptions
+from .azure import AzureStore
 from .fsspec_store import FsspecStore
+from .gcs import GCSStore
 from .local import LocalStore
 from .s3 import S3Store
 
@@ -57,6 +62,10 @@ __all__ = [
     "open_store",
     "Location",
     "S3Options",
+    "AzureStore",
+    "AzureOptions",
+    "GCSStore",
+    "GCSOptions",
     "StoreFactory",
     "register_store",
     "registered_schemes",
@@ -82,6 +91,8 @@ def _fsspec(url: str, config: IOConfig, storage_options: dict[str, Any], options
 # The built-in schemes, registered as a third party's would be.
 register_store(LOCAL_SCHEME, _local)
 register_store(("s3", "s3a", "s3n"), _s3)
+register_store(("az", "abfs", "abfss"), AzureStore)
+register_store(("gs", "gcs"), GCSStore)
 register_store(FALLBACK_SCHEME, _fsspec)
 
 

@@ -57,10 +57,15 @@ class IOStatsSnapshot:
     """Counters of one store at one moment (see :class:`IOStats`)."""
 
     bytes_read: int
+    """Bytes of data files read through :meth:`Store.read` since the last reset."""
     read_requests: int
+    """Ranged read requests made (after coalescing), one per request sent to the storage."""
     bytes_written: int
+    """Bytes of data files committed through :class:`ObjectWriter`."""
     files_written: int
+    """Data files committed through :class:`ObjectWriter`."""
     files_read: frozenset[str]
+    """Names of the data files read from (relative to the store's root)."""
 
 
 class IOStats:
@@ -75,6 +80,7 @@ class IOStats:
         self.reset()
 
     def reset(self) -> None:
+        """Set every counter back to zero (a benchmark calls it between rounds)."""
         with self._lock:
             self._bytes_read = 0
             self._read_requests = 0
@@ -83,17 +89,24 @@ class IOStats:
             self._files_read: set[str] = set()
 
     def add_read(self, name: str, nbytes: int) -> None:
+        """Count one ranged read of ``nbytes`` bytes of file ``name``.
+
+        Called by the store's reading threads, on the rank that reads.
+        """
         with self._lock:
             self._bytes_read += nbytes
             self._read_requests += 1
             self._files_read.add(name)
 
     def add_written_file(self, nbytes: int) -> None:
+        """Count one committed data file of ``nbytes`` bytes (called by the writer that
+        commits it)."""
         with self._lock:
             self._bytes_written += nbytes
             self._files_written += 1
 
     def snapshot(self) -> IOStatsSnapshot:
+        """The counters now, consistent with each other (taken under the lock)."""
         with self._lock:
             return IOStatsSnapshot(
                 self._bytes_read,
@@ -150,7 +163,10 @@ class ObjectWriter(ABC):
 
     def __init__(self, name: str) -> None:
         self.name = name
+        """The file's final name, relative to the store's root (visible only after
+        :meth:`commit`)."""
         self.position = 0
+        """Bytes written so far, i.e. the offset the next :meth:`write` starts at."""
 
     @abstractmethod
     def write(self, data: memoryview | bytes | bytearray) -> None:
@@ -166,6 +182,7 @@ class ObjectWriter(ABC):
         """Discard everything written; safe to call more than once."""
 
     def __enter__(self) -> ObjectWriter:
+        """The writer itself, for ``with store.open_writer(name) as w:``."""
         return self
 
     def __exit__(
@@ -174,6 +191,10 @@ class ObjectWriter(ABC):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Abort the file if the block raised; otherwise do nothing.
+
+        Leaving the block without an exception does not commit: call :meth:`commit` inside it.
+        """
         if exc is not None:
             self.abort()
 
@@ -192,8 +213,11 @@ class Store(ABC):
 
     def __init__(self, url: str, config: IOConfig) -> None:
         self.url = url.rstrip("/") or url
+        """The root as given, without a trailing ``/``; used in messages (see :meth:`describe`)."""
         self.config = config
+        """The I/O tunables this store reads and writes with."""
         self.stats = IOStats()
+        """Data-file traffic of this store in this process (:class:`IOStats`)."""
 
     # -- naming -----------------------------------------------------------
     def describe(self, name: str = "") -> str:
@@ -202,6 +226,11 @@ class Store(ABC):
 
     @property
     def coalesce_gap(self) -> int:
+        """Bytes between two ranged reads below which they are fetched as one request.
+
+        ``IOConfig.coalesce_gap`` when set, else 64 KiB for local file systems and 1 MiB for object
+        stores (which charge per request).
+        """
         if self.config.coalesce_gap is not None:
             return self.config.coalesce_gap
         return 64 * 1024 if self.kind == "local" else 1024 * 1024

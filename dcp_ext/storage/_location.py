@@ -70,6 +70,7 @@ class Location:
     options: Any = None
 
     def __post_init__(self) -> None:
+        """Normalize ``url`` (see :func:`normalize_path`) and copy ``storage_options``."""
         object.__setattr__(self, "url", normalize_path(self.url))
         object.__setattr__(self, "storage_options", dict(self.storage_options or {}))
 
@@ -124,7 +125,9 @@ class Location:
         return dataclasses.replace(self, url=os.fspath(url))
 
     def with_config(self, config: IOConfig) -> Location:
+        """This location with other I/O tunables."""
         return dataclasses.replace(self, config=config)
 
     def __str__(self) -> str:
+        """The URL, as messages show it."""
         return self.url

@@ -30,16 +30,22 @@ class Piece:
     """
 
     name: str
+    """The data file, relative to the store's root."""
     offset: int
+    """Where the bytes start in the file."""
     dest: memoryview
+    """Where the bytes go: a writable buffer of exactly the piece's length (often a
+    tensor's memory)."""
     on_done: Callable[[], None] | None = None
 
     @property
     def length(self) -> int:
+        """Bytes to copy: the size of ``dest``."""
         return self.dest.nbytes
 
     @property
     def end(self) -> int:
+        """The file offset just past the piece (``offset + length``)."""
         return self.offset + self.dest.nbytes
 
 
@@ -61,8 +67,12 @@ class ReadRequest:
     """
 
     name: str
+    """The data file, relative to the store's root."""
     offset: int
+    """Where the request starts in the file."""
     length: int
+    """Bytes the request fetches (one ranged GET or ``preadv``, up to
+    ``IOConfig.read_request_size``)."""
     targets: tuple[tuple[int, memoryview], ...]
     on_done: tuple[Callable[[], None], ...] = ()
     done_at: tuple[int, ...] = ()

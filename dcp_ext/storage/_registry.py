@@ -48,7 +48,19 @@ class StoreFactory(Protocol):
     """Opens the store of one URL (see the module docstring)."""
 
     def __call__(self, url: str, config: IOConfig, storage_options: dict[str, Any],
-                 options: Any | None) -> Store: ...
+                 options: Any | None) -> Store:
+        """Open the store rooted at ``url``.
+
+        Args:
+            url: The location's normalized URL (a local path for the ``file`` scheme).
+            config: I/O tunables.
+            storage_options: The backend's options (endpoint, credentials...), a copy the store may keep.
+            options: The backend's own options object, or ``None`` for its defaults.
+
+        Returns:
+            The :class:`Store` rooted at ``url``.
+        """
+        ...
 
 
 _FACTORIES: dict[str, Callable[..., Store]] = {}

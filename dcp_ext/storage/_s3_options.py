@@ -34,6 +34,12 @@ class S3Options:
     max_concurrency: int = 8
 
     def __post_init__(self) -> None:
+        """Check the options.
+
+        Raises:
+            ValueError: A timeout is not a positive number, the deadline leaves no room for one
+                attempt, a part is smaller than S3's 5 MiB minimum, or concurrency is below 1.
+        """
         for name in ("connect_timeout", "read_timeout", "request_deadline"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

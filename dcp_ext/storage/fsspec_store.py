@@ -118,10 +118,13 @@ class FsspecStore(Store):
 
         fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.fs = filesystem if filesystem is not None else fs
+        """The fsspec file system the store works through."""
         self.root = root.rstrip("/")
+        """The root's path within ``fs`` (the URL without its scheme), without a trailing ``/``."""
         self._async = bool(getattr(self.fs, "async_impl", False))
 
     def path(self, name: str) -> str:
+        """The path of ``name`` within ``fs``."""
         return f"{self.root}/{name}"
 
     # -- small files --------------------------------------------------------

@@ -380,6 +380,7 @@ class LocalStore(Store):
 
     def __init__(self, path: str | os.PathLike[str], config: IOConfig) -> None:
         self.root = Path(os.path.abspath(os.fspath(path)))
+        """The checkpoint directory, an absolute path."""
         super().__init__(str(self.root), config)
 
     def _path(self, name: str) -> Path:

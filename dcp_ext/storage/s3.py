@@ -343,14 +343,20 @@ class S3Store(Store):
                 s3_request_deadline=options.request_deadline, part_size=options.part_size,
                 max_concurrency=options.max_concurrency)
         self.options = S3Options.from_config(config)
+        """Timeouts, part size and concurrency in effect (:class:`S3Options`)."""
         super().__init__(url, config)
         self.bucket, self.prefix = split_s3_url(url)
         self.connection: S3Connection = get_connection(storage_options, config)
+        """The botocore client and per-request parameters of this endpoint and credentials,
+        shared by the stores of the process that use the same ones."""
         self._bucket_checked = False
         self._part_buffers = _PartBuffers(config.max_concurrency + 1)
         self.rate_limiters = PrefixRateLimiters(label=f"s3://{self.bucket}/")
+        """The request pacing of each key prefix: slows down on ``503 SlowDown`` (see
+        ``IOConfig.key_prefixes``)."""
 
     def key(self, name: str) -> str:
+        """The S3 key of ``name`` (the store's prefix + ``/`` + ``name``)."""
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def describe(self, name: str = "") -> str:

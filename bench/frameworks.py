@@ -37,6 +37,12 @@ Systems, each saving synchronously, as a training loop would:
   undone (the path kept a string, so torch picks ``FsspecWriter``, and
   ``meta.pt`` written with fsspec): torch's default on S3, as for the main
   table. The three Trainers share the model and torchtitan's AdamW.
+* **Megatron-Core 0.16.1** (:mod:`bench.frameworks_megatron`): the same
+  model and moments as a Megatron sharded state dict, saved by megatron-core's
+  ``dist_checkpointing.save`` with its default ``torch_dist`` strategy (two
+  CUDA calls stubbed so that it runs on CPU; local disk only: it cannot write
+  to ``s3://``) vs ``DcpExtSaveShardedStrategy`` (local) and
+  ``dcp_ext.integrations.megatron.save`` (S3).
 * **plain DCP** (no framework): the main table's own systems
   (``bench.harness.systems``: ``CheckpointWriter`` vs ``FileSystemWriter``
   thread_count=1 locally, vs ``FsspecWriter`` on S3) on the main table's
@@ -83,6 +89,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.frameworks_megatron import MegatronSystem
 from bench.frameworks_report import PAIRS, main_table_ratios, newest_main_table, render, summarize
 from bench.frameworks_report import MAIN_TARGETS  # noqa: F401 - re-exported: the suite's constants stay importable from here
 from bench.harness.machine import machine_info
@@ -194,6 +201,12 @@ class _System:
         DCP (timed apart: the framework's own share of a save)."""
         raise NotImplementedError
 
+    def before(self, i: int) -> None:
+        """(all ranks, untimed) Anything save ``i`` needs first."""
+
+    def close(self) -> None:
+        """(all ranks) After the last save."""
+
 
 class _Titan(_System):
     framework = "torchtitan"
@@ -204,7 +217,7 @@ class _Titan(_System):
 
         from dcp_ext.integrations.torchtitan import DcpExtCheckpointManager
 
-        self.name = "titan_stock" if stock else ("titan_dcp_ext_zstd" if compression else "titan_dcp_ext")
+        self.name = "titan_stock" if stock else ("titan_dcp_ext_" + compression if compression else "titan_dcp_ext")
         super().__init__(kind, root)
         extra: dict[str, Any] = {}
         if stock:
@@ -215,8 +228,8 @@ class _Titan(_System):
         else:
             cls = DcpExtCheckpointManager
             extra = {"compression": compression, "storage_options": dict(options or {})}
-            self.label = "dcp_ext DcpExtCheckpointManager" + (' compression="zstd"' if compression else "")
-            self.settings = "dcp_ext CheckpointWriter defaults" + (" + zstd" if compression else "")
+            self.label = "dcp_ext DcpExtCheckpointManager" + (f' compression="{compression}"' if compression else "")
+            self.settings = "dcp_ext CheckpointWriter defaults" + (f" + {compression}" if compression else "")
         self.manager = cls.Config(enable=True, folder=self.root, interval=1, keep_latest_k=0, **extra).build(
             dataloader=None, model_parts=[job["model"]], optimizers=job["optimizers"],
             lr_schedulers=job["schedulers"], states={"train_state": job["train_state"]}, sd_adapter=None)
@@ -500,18 +513,22 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
         print("  set up in " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()), flush=True)
     ctx = Ctx(rank, world_size, {"s3_concurrency": cfg["s3_concurrency"]}, cfg["workdir"], cfg["s3"])
 
-    def systems(kind: str) -> list[_System]:
+    def systems(kind: str) -> list[Any]:  # _System and MegatronSystem
         root = os.path.join(cfg["workdir"], "local") if kind == "local" else cfg["s3_root"]
         opts = options if kind == "s3" else None
-        found: list[_System] = [
+        found: list[Any] = [
             _Titan(kind, root, job, stock=True, compression=None, options=None),
             _Titan(kind, root, job, stock=False, compression=None, options=opts),
             _Titan(kind, root, job, stock=False, compression="zstd", options=opts),
+            _Titan(kind, root, job, stock=False, compression="auto", options=opts),
             _Lightning(kind, root, trainers["stock" if kind == "local" else "stock_s3"], stock=True),
             _Lightning(kind, root, trainers["dcp_ext"], stock=False),
             _Plain(kind, root, TorchFileSystem(1) if kind == "local" else TorchFsspec("s3"), ctx, plain_state,
                    ours=False),
             _Plain(kind, root, DcpExt(kind), ctx, plain_state, ours=True),
+            # Megatron-Core (bench.frameworks_megatron): its own save writes local paths only.
+            *([MegatronSystem(kind, root, job, stock=True, options=None)] if kind == "local" else []),
+            MegatronSystem(kind, root, job, stock=False, options=opts),
         ]
         return [s for s in found if s.name in cfg["systems"]]
 
@@ -527,7 +544,7 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
             "items": {},
         }
         # One system per framework: its own share of a save is the same for stock and dcp_ext.
-        firsts = {s.framework: s for s in reversed(found)}
+        firsts = {s.framework: s for s in reversed(found) if getattr(s, "fixed_costs", True)}
         for r in range(cfg["rounds"][kind] + 1):  # round 0: warm-up, untimed
             order = found[r % len(found):] + found[:r % len(found)]
             if r % 2:
@@ -536,6 +553,7 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
                 record["order"].append([s.name for s in order])
             for system in order:
                 step += 1
+                system.before(step)
                 _settle(rank, cfg["drop_caches"])
                 start = time.perf_counter()
                 where = system.save(step)
@@ -568,6 +586,8 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
                     dcp.save(state, storage_writer=_null_writer(), planner=save_planner(ADAPTER_PLANS[framework]))
                     record["null_adapter"].setdefault(framework, []).append(_slowest(time.perf_counter() - start))
                 del state
+        for system in found:
+            system.close()
         out["kinds"][kind] = record
     dist.barrier()
     return out
@@ -629,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     main_json = newest_main_table()
     record: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "command": command.strip(), "machine": machine_info(workdir),
-        "versions": {pkg: metadata.version(pkg) for pkg in ("torchtitan", "lightning")},
+        "versions": {pkg: metadata.version(pkg) for pkg in ("torchtitan", "lightning", "megatron-core")},
         "params": {"size": size, "layers": args.layers, "rounds": rounds, "kinds": kinds,
                    "drop_caches": drop, "s3_concurrency": args.s3_concurrency},
         "main_table": main_table_ratios(main_json),

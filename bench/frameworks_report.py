@@ -22,7 +22,9 @@ BENCH = Path(__file__).resolve().parent
 PAIRS = [
     ("titan_dcp_ext", "titan_stock"),
     ("titan_dcp_ext_zstd", "titan_stock"),
+    ("titan_dcp_ext_auto", "titan_stock"),
     ("lightning_dcp_ext", "lightning_stock"),
+    ("megatron_dcp_ext", "megatron_stock"),
     ("dcp_ext", "dcp_torch"),
 ]
 #: The main table's target ids whose ratios these rows are held against.
@@ -94,7 +96,9 @@ def render(record: dict[str, Any]) -> str:
     lines = [
         f"Run of {record['date']} on `{m['machine_id']}`: {m['cpu_count']} × {m['cpu_model']}, {m['ram_gib']:.1f} GiB "
         f"RAM; torch {m['versions'].get('torch')}, torchtitan {record['versions'].get('torchtitan')}, lightning "
-        f"{record['versions'].get('lightning')}, dcp_ext {m['versions'].get('dcp_ext')} (commit "
+        f"{record['versions'].get('lightning')}"
+        + (f", megatron-core {record['versions']['megatron-core']}" if "megatron-core" in record["versions"] else "")
+        + f", dcp_ext {m['versions'].get('dcp_ext')} (commit "
         f"`{m['git_commit'][:12]}`{', dirty tree' if m['git_dirty'] else ''}); load average at start/end "
         f"{m['loadavg_start']} / {record['loadavg_end']}; run time {record['runtime_seconds'] / 60:.1f} min.",
         "",

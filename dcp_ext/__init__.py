@@ -41,6 +41,7 @@ from .errors import (
     PlanMismatchError,
     PlanCacheError,
     RankFailedError,
+    RankStateMismatchError,
     StorageError,
     StorageFullError,
     StoragePermissionError,
@@ -68,6 +69,7 @@ from .manager import (
     save_checkpoint,
 )
 from .planners import LayoutLoadPlanner, LayoutSavePlanner
+from .planning import redistribute_dataloader
 from .storage import Location, register_store
 from .root import (
     CheckpointRoot,
@@ -117,6 +119,7 @@ __all__ = [
     "KeepMatching",
     "KeepAny",
     "ResumeResult",
+    "redistribute_dataloader",
     "save_checkpoint",
     "resume_from_checkpoint",
     "close_checkpoints",
@@ -174,6 +177,7 @@ __all__ = [
     "PlanMismatchError",
     "PlanCacheError",
     "RankFailedError",
+    "RankStateMismatchError",
     "ReadOnceExchangeError",
     "unwrap_checkpoint_exception",
 ]

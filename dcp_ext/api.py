@@ -8,7 +8,11 @@ These call ``torch.distributed.checkpoint.save``/``load`` with a
   where storage is at fault) instead of DCP's ``CheckpointException``, which
   derives from ``BaseException`` and escapes ``except Exception``;
 * a failed save deletes the data files every rank committed, so nothing
-  orphaned stays behind (the metadata, the commit marker, was never written).
+  orphaned stays behind (the metadata, the commit marker, was never written);
+* each rank may save state of its own (``rank_state=``: dataloader
+  position, RNG states), which ``load`` returns by the rule of
+  :mod:`dcp_ext.planning._rank_state` (at another world size: an error, or
+  ``rank_state_rule=``).
 
 Call them on every rank of the process group, like ``dcp.save``/``dcp.load``.
 """
@@ -21,10 +25,11 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
+from ._runtime import GroupView
 from .config import IOConfig
 from .dcp_io import CheckpointReader, CheckpointWriter, run_load, run_save
 from .format import Codec
-from .planners import LayoutLoadPlanner
+from .planning import RankStateLoadPlanner, RankStateRule, encode_rank_state, with_rank_state
 
 __all__ = ["save", "load"]
 
@@ -39,6 +44,7 @@ def save(
     process_group: Any = None,
     config: IOConfig | None = None,
     compression: str | Codec | None = None,
+    rank_state: Any = None,
     **io_options: Any,
 ) -> Metadata:
     """(all ranks) Save ``state_dict`` to ``path`` with :class:`CheckpointWriter`.
@@ -53,10 +59,16 @@ def save(
         config: I/O tunables; ``io_options`` (``part_size=``, ...) override it.
         compression: ``None`` (raw), ``"zstd"``, a :class:`~dcp_ext.ZstdCodec`
             or any :class:`~dcp_ext.Codec`; loads need no setting.
+        rank_state: This rank's own state (``None``: none), of the types
+            ``user_content`` takes (no pickle); stored under the key
+            ``rank_state.{rank}_of_{world}`` (so ``state_dict`` must have no
+            top-level ``rank_state``). :func:`load` returns it.
 
     Returns:
         The checkpoint's DCP metadata.
     """
+    if rank_state is not None:
+        state_dict = with_rank_state(state_dict, encode_rank_state(rank_state), GroupView(process_group))
     writer = CheckpointWriter(
         path, storage_options=storage_options, overwrite=overwrite, config=config, compression=compression,
         **io_options
@@ -73,8 +85,9 @@ def load(
     process_group: Any = None,
     config: IOConfig | None = None,
     strict: bool = True,
+    rank_state_rule: RankStateRule | None = None,
     **io_options: Any,
-) -> None:
+) -> Any:
     """(all ranks) Load ``path`` into ``state_dict`` in place with :class:`CheckpointReader`.
 
     The other arguments are as for :func:`save`.
@@ -88,8 +101,26 @@ def load(
             clear key/shape/dtype errors, and non-tensor values unpickled
             with ``weights_only=True``).
         strict: Passed to the default planner: refuse keys the checkpoint lacks.
+        rank_state_rule: With the default planner, at a world size other than
+            the save's: ``rule(saved_states, world_size) -> states``, or
+            :func:`~dcp_ext.redistribute_dataloader` (see
+            :meth:`CheckpointManager.resume <dcp_ext.CheckpointManager.resume>`).
+
+    Returns:
+        This rank's ``rank_state`` (``None`` if the checkpoint has none, or
+        with a ``planner`` of your own).
+
+    Raises:
+        RankStateMismatchError: The checkpoint holds per-rank state of another
+            world size and no ``rank_state_rule`` is given (before anything is read).
     """
     reader = CheckpointReader(path, storage_options=storage_options, config=config, **io_options)
-    if planner is None:
-        planner = LayoutLoadPlanner(strict)  # non-tensor values unpickled with weights_only=True
-    run_load(state_dict, reader, planner, process_group)
+    if planner is not None:
+        if rank_state_rule is not None:
+            raise ValueError("rank_state_rule needs the default planner (planner=None)")
+        run_load(state_dict, reader, planner, process_group)
+        return None
+    # LayoutLoadPlanner (non-tensor values unpickled with weights_only=True) that also reads rank_state.
+    ours = RankStateLoadPlanner(strict, group=GroupView(process_group), rule=rank_state_rule)
+    run_load(state_dict, reader, ours, process_group)
+    return ours.rank_state()

@@ -48,6 +48,7 @@ __all__ = [
     "InvalidPathError",
     "InvalidOptionError",
     "CheckpointReplacedError",
+    "RankStateMismatchError",
     "unwrap_checkpoint_exception",
 ]
 
@@ -65,9 +66,12 @@ class DcpExtError(Exception):
         self.path = path
 
     def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle with the message and ``path``, so the error crosses process boundaries intact
+        (spawned workers, DCP's gathered exceptions)."""
         return (type(self), (str(self), self.path))
 
     def __str__(self) -> str:
+        """The message alone (``path`` is an attribute, not appended to it)."""
         return str(self.args[0]) if self.args else ""
 
 
@@ -220,6 +224,7 @@ class RankFailedError(DcpExtError, RuntimeError):
         self.ranks, self.hosts, self.step = ranks, hosts, step
 
     def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle with the message, ``path``, ``ranks``, ``hosts`` and ``step``."""
         return (type(self), (str(self), self.path, self.ranks, self.hosts, self.step))
 
 
@@ -255,6 +260,12 @@ class CheckpointReplacedError(DcpExtError, RuntimeError):
     while it was being read: its metadata is no longer the document the load
     started from, so the bytes read do not belong to one checkpoint. Nothing
     is damaged; load it again."""
+
+
+class RankStateMismatchError(DcpExtError, ValueError):
+    """Per-rank state (``rank_state``) saved by N ranks cannot be given to the M
+    ranks loading it as asked: M differs from N and no ``rank_state_rule``
+    says how to carry it, or the rule cannot (the message names N and M)."""
 
 
 def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:

@@ -20,7 +20,8 @@ Handled here: FSDP2 (``fsdp_version=2``) with ``SHARDED_STATE_DICT`` and
 ``use_dcp=True`` (accelerate's defaults for FSDP2 checkpoints). Anything else
 (FSDP1, ``FULL_STATE_DICT``, ``use_dcp=False``, PEFT ``adapter_only``) is
 passed to accelerate's own function for a local path, and refused with
-``InvalidOptionError`` for a URL. Install: ``pip install 'dcp-ext[accelerate]'``.
+``InvalidOptionError`` for a URL. Install, from a clone of the repository (dcp-ext
+is not on PyPI): ``.venv/bin/pip install -e '.[accelerate]'``.
 
 Every process calls each function, as with accelerate's (``wait_for_everyone``
 barriers included)::

@@ -10,8 +10,8 @@
   ``s3://`` and fsspec URLs intact.
 
 For ``pytorch_lightning`` use :mod:`dcp_ext.integrations.pytorch_lightning`
-(the same classes on that namespace). Install: ``pip install
-'dcp-ext[lightning]'``.
+(the same classes on that namespace). Install, from a clone of the repository
+(dcp-ext is not on PyPI): ``.venv/bin/pip install -e '.[lightning]'``.
 
 ``ModelCheckpoint`` lists, checks and names its files itself with fsspec and
 no options, so with a ``dirpath`` on S3 it needs credentials and endpoint
@@ -119,5 +119,6 @@ class DcpExtModelCheckpoint(ModelCheckpointMixin, ModelCheckpoint):
         storage_options: The ``dirpath`` store's options (endpoint, credentials), the same as
             the plug-in's or strategy's. Installed as fsspec's defaults for ``dirpath``'s
             scheme, since Lightning builds its file systems without options.
-        args, kwargs: ``ModelCheckpoint``'s.
+
+    Every other argument is ``ModelCheckpoint``'s, passed on unchanged.
     """

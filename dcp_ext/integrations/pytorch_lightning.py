@@ -3,7 +3,8 @@
 The same :class:`DcpExtCheckpointIO` and :class:`DcpExtModelParallelStrategy`
 as :mod:`dcp_ext.integrations.lightning` (see there for what they do and the
 smallest use), built on ``pytorch_lightning``'s base classes instead of
-``lightning.pytorch``'s. Install: ``pip install 'dcp-ext[lightning]'``.
+``lightning.pytorch``'s. Install, from a clone of the repository (dcp-ext is not
+on PyPI): ``.venv/bin/pip install -e '.[lightning]'``.
 """
 
 from __future__ import annotations

@@ -34,10 +34,11 @@ are torchtitan's own code, on local paths as there.
 Install (torchtitan 0.3.0 pins ``datasets``, whose fsspec pin would downgrade
 the fsspec s3fs needs, so torchtitan itself goes in without its
 dependencies; the ``[torchtitan]`` extra brings the ones its checkpoint
-manager, optimizers and config system import)::
+manager, optimizers and config system import). dcp-ext is not on PyPI: from
+a clone of the repository, into its environment::
 
-    pip install 'dcp-ext[torchtitan]' 'torch==2.13.0'   # keep your torch
-    pip install --no-deps 'torchtitan==0.3.0'
+    .venv/bin/pip install -e '.[torchtitan]' 'torch==2.13.0'   # keep your torch
+    .venv/bin/pip install --no-deps 'torchtitan==0.3.0'
 
 Use it in a torchtitan config (torchtitan 0.3 configs are Python functions in
 a ``config_registry``; the checkpoint section takes any
@@ -133,6 +134,9 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
     """
 
     purge_thread: threading.Thread | None
+    """The thread that deletes checkpoints beyond ``keep_latest_k`` (torchtitan's, replaced by
+    one that deletes by dcp_ext's rule: nothing in use, un-committed first); ``None`` when none
+    runs."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):  # type: ignore[misc]
@@ -160,10 +164,17 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         keep their ``DCP_EXT_*`` environment value or default."""
 
         def __post_init__(self) -> None:
+            """torchtitan's checks, then dcp_ext's.
+
+            Raises:
+                InvalidOptionError: A ``compression`` other than ``"zstd"`` or ``None``,
+                    ``storage_options`` that is not a dict, or ``io_options`` that are not
+                    ``IOConfig`` fields.
+            """
             CheckpointManager.Config.__post_init__(self)
-            if self.compression is not None and self.compression != "zstd":
+            if self.compression not in (None, "zstd", "auto"):
                 raise InvalidOptionError(
-                    f"checkpoint.compression must be 'zstd' or None, not {self.compression!r}")
+                    f"checkpoint.compression must be 'zstd', 'auto' or None, not {self.compression!r}")
             if self.storage_options is None:  # as the other adapters accept it: no options
                 self.storage_options = {}
             if not isinstance(self.storage_options, dict):
@@ -176,10 +187,17 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         if not self.enable:
             return
         self.storage_options: dict[str, Any] = dict(config.storage_options or {})
+        """The config's ``storage_options``, for every save, load, listing and deletion."""
         self.compression = config.compression
+        """The config's ``compression``: ``zstd`` or ``None`` (raw bytes)."""
         self.overwrite = config.overwrite
+        """The config's ``overwrite``: whether saving a step again replaces its committed
+        checkpoint."""
         self.verify_checksums = config.verify_checksums
+        """The config's ``verify_checksums``: whether loads check every frame's checksum."""
         self.io_config = io_config(config.io_options, "checkpoint.io_options")
+        """The :class:`~dcp_ext.IOConfig` of every save and load, from the config's
+        ``io_options``."""
         #: The checkpoint the last save wrote (an asynchronous one may not be
         #: listed yet: it still counts for keep_latest_k).
         self._saving: str | None = None

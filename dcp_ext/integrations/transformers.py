@@ -37,9 +37,10 @@ class DcpExtTrainer(transformers.Trainer):
     through dcp_ext (every process calls each method, as Trainer does).
 
     Args:
-        args, kwargs: ``Trainer``'s.
+        *args: ``Trainer``'s positional arguments.
         dcp_ext_options: Keyword arguments of :func:`~dcp_ext.integrations.accelerate.save_fsdp_model`
             for every save (``{"compression": "zstd"}``, ``storage_options``, ``io_options``).
+        **kwargs: ``Trainer``'s keyword arguments.
 
     Raises:
         InvalidOptionError: FSDP is not enabled (no FSDP plug-in on the

@@ -33,6 +33,7 @@ from ..full import KeyMap, TranslateFunction, translate_state
 from ..incremental import DEFAULT_MAX_CHAIN
 from ..layout import PARTITION_FILE, MeshInfo, Partition, TagInfo, validate_tag
 from ..planners import LayoutLoadPlanner
+from ..planning import RankStateRule, encode_rank_state
 from ..root import CheckpointRoot, CompactReport, KeepLast, RetentionPolicy
 from ..storage import Location
 from ..tiers import LocalTier, RestorePlan
@@ -146,6 +147,8 @@ class CheckpointManager:
             raise ValueError(f"async_uploads must be 'thread' or 'process', got {async_uploads!r}")
         tier_options = TierOptions.given(tiers, local_tier, persist_every, keep_local, replicas, local_tier_bytes)
         self.incremental_options = IncrementalOptions.given(incremental, max_chain)
+        """Whether partial saves are incremental, and the longest chain (from ``incremental=``
+        and ``max_chain=``)."""
         location = Location.of(root, storage_options, config)
         self.root = location.url
         self.retention = retention
@@ -164,11 +167,8 @@ class CheckpointManager:
         self._in_flight = InFlight(stager)
         self._partial = PartialCheckpoints(self._ctx, self._in_flight, self.incremental_options, async_uploads)
         self._full = FullCheckpoints(self._ctx)
-        self._tiered = (
-            None if tier_options.local_tier is None
-            else TieredCheckpoints(self._ctx, self._in_flight, self._partial, tier_options,
-                                   self.incremental_options, async_uploads)
-        )
+        self._tiered = None if tier_options.local_tier is None else TieredCheckpoints(
+            self._ctx, self._in_flight, self._partial, tier_options, self.incremental_options, async_uploads)
         watch_at_exit(self)
 
     # -- what the parts hold ---------------------------------------------------------
@@ -236,9 +236,12 @@ class CheckpointManager:
         self._in_flight.close()
 
     def __enter__(self) -> CheckpointManager:
+        """The manager itself: ``with CheckpointManager(...) as manager:`` closes it at the end."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """(all ranks) :meth:`close`: wait for saves in flight, then free the manager's
+        resources."""
         self.close()
 
     # -- save -------------------------------------------------------------------------
@@ -263,6 +266,7 @@ class CheckpointManager:
         dtype: torch.dtype | None = None,
         hf_config: dict[str, Any] | str | None = None,
         full: FullSaveOptions | None = None,
+        rank_state: Any = None,
     ) -> AsyncSaveHandle | None:
         """(all ranks) Save a checkpoint under ``tag``.
 
@@ -311,6 +315,8 @@ class CheckpointManager:
             dtype: ``full_format="hf"``: cast floating tensors to this dtype.
             hf_config: ``full_format="hf"``: the ``config.json`` to write (dict or JSON string).
             full: The seven full-save settings above, as one :class:`~dcp_ext.FullSaveOptions`.
+            rank_state: This rank's own state (dataloader position, RNG states; the types of
+                ``user_content``), for :meth:`resume`. Partial saves without ``local_tier`` only.
 
         Returns:
             The save's handle when ``async_save``, else ``None``.
@@ -325,14 +331,9 @@ class CheckpointManager:
         model, optimizer = with_registered(model, optimizer)
         if model is None and optimizer is None:
             raise ValueError(NO_MODEL.format(call="save"))
-        if partial and full.translate_function is not None:
-            raise ValueError("translate_function applies to full checkpoints (partial=False) only")
-        if num_kept_partial_checkpoints is not None and retention is not None:
-            raise ValueError("pass num_kept_partial_checkpoints or retention, not both")
-        policy = KeepLast(num_kept_partial_checkpoints) if num_kept_partial_checkpoints is not None else (
-            retention or self.retention
-        )
+        policy = _save_policy(partial, full, num_kept_partial_checkpoints, retention, self.retention)
         encoded = None if user_content is None else encode_user_content(user_content)
+        rank_bytes = _rank_state_bytes(rank_state, partial, self._tiered is not None)
         self.wait()  # one save at a time
         if not partial:
             if async_save:
@@ -345,7 +346,7 @@ class CheckpointManager:
             self._full.save(tag, state, encoded, full_format=full.full_format, overwrite=overwrite,
                             max_shard_size=full.max_shard_size, dtype=full.dtype, hf_config=full.hf_config)
             return None
-        request = SaveRequest(tag, model, optimizer, encoded, policy, async_save, overwrite, persist)
+        request = SaveRequest(tag, model, optimizer, encoded, policy, async_save, overwrite, persist, rank_bytes)
         if self._tiered is not None:
             return self._tiered.save(request)
         return self._partial.save(request)
@@ -364,6 +365,7 @@ class CheckpointManager:
         load_sharded_optimizer_state: bool = True,
         key_map: KeyMap | None = None,
         translate_function: TranslateFunction | None = None,
+        rank_state_rule: RankStateRule | None = None,
     ) -> ResumeResult:
         """(all ranks) Load a checkpoint into ``model`` / ``optimizer`` in place.
 
@@ -397,6 +399,8 @@ class CheckpointManager:
                 to load (keys renamed, tensors fused or transposed), e.g. from
                 the original implementation's layout to a tensor-parallel
                 model's (see :func:`~dcp_ext.load_pretrained`).
+            rank_state_rule: How to carry a saved ``rank_state`` to another world size ``M``: ``rule(states,
+                M)`` -> ``M`` states, or :func:`~dcp_ext.redistribute_dataloader` (default: refuse).
 
         The checkpoint may have been saved by any world size and parallel
         layout (resharding); when ``partition.json`` shows the same world size
@@ -406,28 +410,22 @@ class CheckpointManager:
             CheckpointNotFoundError: No such tag, or nothing committed under the root.
             CheckpointKeyError: Missing / unexpected keys (``strict``).
             ReshardError: A shape or dtype differs, or the layout cannot be filled.
+            RankStateMismatchError: ``rank_state`` of another world size and no ``rank_state_rule``.
         """
-        if not isinstance(load_sharded_optimizer_state, bool):
-            raise TypeError(f"load_sharded_optimizer_state must be a bool, got {load_sharded_optimizer_state!r}")
-        if partial and (key_map is not None or translate_function is not None):
-            raise ValueError(
-                "key_map / translate_function apply to full checkpoints (partial=False); a partial "
-                "checkpoint is loaded by the keys it was saved with"
-            )
+        _check_resume(partial, self._tiered is not None, key_map, translate_function, load_sharded_optimizer_state,
+                      rank_state_rule)
         model, optimizer = with_registered(model, optimizer)
         if not load_optimizer:
             optimizer = None
-        if partial and self._tiered is not None:
-            if model is None:
-                raise ValueError(NO_MODEL.format(call="resume"))
-            return self._tiered.resume(tag, model, optimizer, strict, allow_dtype_cast)
         if not partial:
             if tag is None:
                 tag = self.group.run_on_coordinator(self._partial.newest_or_raise)
             return self._full.resume(validate_tag(tag), model, strict, key_map, translate_function)
         if model is None:
             raise ValueError(NO_MODEL.format(call="resume"))
-        return self._partial.resume(tag, model, optimizer, strict, allow_dtype_cast)
+        if self._tiered is not None:
+            return self._tiered.resume(tag, model, optimizer, strict, allow_dtype_cast)
+        return self._partial.resume(tag, model, optimizer, strict, allow_dtype_cast, rank_state_rule)
 
     # -- maintenance (coordinator or a single process) -------------------------------
     def delete(self, tag: str, *, partial: bool = True, full: bool = True) -> None:
@@ -494,6 +492,38 @@ class CheckpointManager:
         """
         validate_tag(tag)
         if full_format == "hf":
-            return self._full.export_hf(tag, out, include_optimizer, overwrite, progress, max_shard_size, dtype,
-                                        hf_config)
+            return self._full.export_hf(tag, out, include_optimizer, overwrite, progress, max_shard_size, dtype, hf_config)
         return self._full.export(tag, out, full_format, include_optimizer, overwrite, progress)
+
+
+def _save_policy(partial: bool, full: FullSaveOptions, num_kept: int | None, retention: RetentionPolicy | None,
+                 default: RetentionPolicy | None) -> RetentionPolicy | None:
+    """(each rank) ``save``'s option checks; the retention policy to apply after its commit."""
+    if partial and full.translate_function is not None:
+        raise ValueError("translate_function applies to full checkpoints (partial=False) only")
+    if num_kept is not None and retention is not None:
+        raise ValueError("pass num_kept_partial_checkpoints or retention, not both")
+    return KeepLast(num_kept) if num_kept is not None else retention or default
+
+
+def _rank_state_bytes(rank_state: Any, partial: bool, tiered: bool) -> bytes | None:
+    """(each rank) ``save``'s ``rank_state`` encoded, before anything is written."""
+    if rank_state is None:
+        return None
+    if not partial or tiered:
+        raise ValueError("rank_state is saved with partial checkpoints of a manager without local_tier only")
+    return encode_rank_state(rank_state)
+
+
+def _check_resume(partial: bool, tiered: bool, key_map: KeyMap | None, translate_function: TranslateFunction | None,
+                  load_sharded_optimizer_state: object, rank_state_rule: RankStateRule | None) -> None:
+    """(each rank) ``resume``'s argument checks, before any collective."""
+    if not isinstance(load_sharded_optimizer_state, bool):
+        raise TypeError(f"load_sharded_optimizer_state must be a bool, got {load_sharded_optimizer_state!r}")
+    if partial and (key_map is not None or translate_function is not None):
+        raise ValueError(
+            "key_map / translate_function apply to full checkpoints (partial=False); a partial "
+            "checkpoint is loaded by the keys it was saved with"
+        )
+    if rank_state_rule is not None and (not partial or tiered):
+        raise ValueError("rank_state_rule applies to partial checkpoints of a manager without local_tier")

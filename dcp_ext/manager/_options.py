@@ -44,6 +44,11 @@ class TierOptions:
     local_tier_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        """Check the options.
+
+        Raises:
+            ValueError: A value out of range, or ``local_tier`` is a URL.
+        """
         if self.persist_every < 0:
             raise ValueError(f"persist_every must be >= 0, got {self.persist_every}")
         if self.keep_local is not None and self.keep_local < 1:
@@ -93,6 +98,11 @@ class IncrementalOptions:
     max_chain: int = DEFAULT_MAX_CHAIN
 
     def __post_init__(self) -> None:
+        """Check the options.
+
+        Raises:
+            ValueError: ``max_chain`` is negative.
+        """
         if self.max_chain < 0:
             raise ValueError(f"max_chain must be >= 0, got {self.max_chain}")
 
@@ -137,6 +147,11 @@ class FullSaveOptions:
     hf_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        """Check the options.
+
+        Raises:
+            ValueError: ``full_format`` is not a known format.
+        """
         if self.full_format not in FULL_FORMATS:
             raise ValueError(f"full_format must be one of {FULL_FORMATS}, got {self.full_format!r}")
 

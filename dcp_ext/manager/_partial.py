@@ -56,6 +56,7 @@ from ..layout import (
 )
 from ..metadata import METADATA_FILE, TORCH_METADATA_FILE, read_incremental_section
 from ..planners import LayoutLoadPlanner, LayoutSavePlanner
+from ..planning import RankStateLoadPlanner, RankStateRule, with_rank_state
 from ..root import CheckpointRoot, RetentionPolicy
 from ..storage import Store
 from ._context import ManagerContext
@@ -97,6 +98,8 @@ class PartialCheckpoints:
         """(all ranks) Save ``request`` to ``ROOT/{tag}_partial/``; its handle if asynchronous."""
         ctx = self.ctx
         state = app_state(request.model, request.optimizer)
+        if request.rank_state is not None:
+            state = with_rank_state(state, request.rank_state, ctx.group)
         planner = LayoutSavePlanner(ctx.mesh, ctx.group.global_ranks(), key_prefixes=ctx.config.key_prefixes)
         # Both steps are picklable objects, not closures: a process-based
         # upload runs them in DCP's checkpoint process.
@@ -191,7 +194,7 @@ class PartialCheckpoints:
 
     # -- resume ----------------------------------------------------------------------
     def resume(self, tag: str | None, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
-               allow_dtype_cast: bool) -> ResumeResult:
+               allow_dtype_cast: bool, rank_state_rule: RankStateRule | None = None) -> ResumeResult:
         """(all ranks) Load ``tag`` (``None``: the newest committed one) into
         ``model`` / ``optimizer``. Following ``newest``, a tag that retention
         of a concurrent save deletes while it is read is given up for the
@@ -203,7 +206,7 @@ class PartialCheckpoints:
         validate_tag(tag)
         for attempt in range(_RESUME_ATTEMPTS):
             try:
-                return self.load(tag, model, optimizer, strict, allow_dtype_cast)
+                return self.load(tag, model, optimizer, strict, allow_dtype_cast, rank_state_rule=rank_state_rule)
             except (CheckpointNotFoundError, NotACheckpointError, CheckpointReplacedError) as err:
                 # Retention of a concurrent save can delete the tag we are
                 # reading (every rank sees the failure: DCP propagates it).
@@ -237,9 +240,11 @@ class PartialCheckpoints:
         strict: bool,
         allow_dtype_cast: bool,
         reader: CheckpointReader | None = None,
+        rank_state_rule: RankStateRule | None = None,
     ) -> ResumeResult:
         """(all ranks) Load the partial checkpoint ``tag`` (through ``reader``
-        if given: a tiered restore's) into ``model`` / ``optimizer`` in place."""
+        if given: a tiered restore's) into ``model`` / ``optimizer`` in place,
+        and its per-rank state by ``rank_state_rule`` (:mod:`dcp_ext.planning._rank_state`)."""
         ctx = self.ctx
         if reader is None:
             reader = CheckpointReader(ctx.checkpoints.partial_url(tag), storage_options=ctx.storage_options,
@@ -262,9 +267,10 @@ class PartialCheckpoints:
         # A parameter that had no gradient when the checkpoint was saved has
         # no optimizer state in it; get_state_dict has made some here.
         per_param = state.get("optimizer", {}).get("state", {})
-        planner = LayoutLoadPlanner(
+        planner = RankStateLoadPlanner(
             strict, allow_dtype_cast=allow_dtype_cast, partition=partition, world_size=ctx.group.world_size,
             mesh=ctx.mesh, optional_prefixes=[f"optimizer.state.{fqn}." for fqn in per_param],
+            group=ctx.group, rule=rank_state_rule,
         )
         self.last_load_planner = planner
         self.last_reader = reader
@@ -281,7 +287,7 @@ class PartialCheckpoints:
             None if user_content_raw is None
             else decode_user_content(user_content_raw, reader.store.describe(USER_CONTENT_FILE))
         )
-        return ResumeResult(tag, user_content, True)
+        return ResumeResult(tag, user_content, True, planner.rank_state())
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class SaveRequest:
         async_save: Return a handle once the state has been walked.
         overwrite: Replace an existing checkpoint with this tag.
         persist: With a local tier: drain this save to the root.
+        rank_state: This rank's encoded ``rank_state``, or ``None``.
     """
 
     tag: str
@@ -44,6 +45,7 @@ class SaveRequest:
     async_save: bool
     overwrite: bool
     persist: bool = False
+    rank_state: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,14 @@ class ResumeResult:
         tag: The checkpoint's tag.
         user_content: The ``user_content`` saved with it (``None`` if none).
         partial: Whether it came from a partial checkpoint.
+        rank_state: This rank's ``rank_state`` (``None`` if none was saved),
+            redistributed by ``rank_state_rule`` at another world size.
     """
 
     tag: str
     user_content: Any
     partial: bool
+    rank_state: Any = None
 
 
 def app_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

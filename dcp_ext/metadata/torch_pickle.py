@@ -70,6 +70,13 @@ _ALLOWED_GLOBALS = {
         "_MEM_FORMAT_ENCODING",
     )
 } | {
+    # DCP's save plans: Megatron-Core's torch_dist writer keeps every rank's
+    # plan in the metadata (``Metadata.all_local_plans``, for its cached
+    # plans), so its ``.metadata`` names these plain dataclasses and enum of
+    # DCP's planner. Nothing else of that module is admitted.
+    ("torch.distributed.checkpoint.planner", name)
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")
+} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),

@@ -99,6 +99,8 @@ class LayoutSavePlanner(DefaultSavePlanner):
         # This planner caches by dcp_ext.planning._plan_cache's rule instead.
         super().__init__(dedup_save_to_lowest_rank=False, enable_plan_caching=False)
         self.caching = enable_plan_caching
+        """Whether dcp_ext's plan caching is on (``enable_plan_caching``): a save whose plans match
+        the last successful one's reuses its global plan and metadata."""
         self.gathered_items = 0
         self.mesh = mesh
         self.global_ranks = list(global_ranks) if global_ranks is not None else None

@@ -1,0 +1,130 @@
+"""The Megatron-Core rows of ``python -m bench.frameworks`` (issue 43).
+
+The bench model's FSDP2 parameters and AdamW moments (the same tensors, the
+same bytes as every framework row) as a Megatron-Core sharded state dict:
+each rank's ``Shard(0)`` shard of each tensor a ``ShardedTensor`` split
+along axis 0 (``model.{name}``, ``optimizer.{name}.exp_avg`` /
+``.exp_avg_sq``), plus the iteration as a plain value (``common.pt``).
+Saved with megatron-core's own ``dist_checkpointing.save``, by:
+
+* **Megatron's default** ``torch_dist`` strategy (``TorchDistSaveShardedStrategy``:
+  torch DCP with Megatron's ``FileSystemWriterAsync``, 2 writer processes
+  forked per rank, run synchronously as ``save`` does without
+  ``async_sharded_save``). It does not run on a CPU-only torch as shipped:
+  two CUDA calls are stubbed for it (``torch.cuda.synchronize`` does
+  nothing, ``torch.cuda.current_device`` answers ``"cpu"``,
+  ``tests.support.megatron_workers.cuda_calls_stubbed``), nothing else
+  changes. Local disk only: Megatron's ``save`` writes ``common.pt`` and
+  ``metadata.json`` with ``os`` and cannot write to ``s3://``.
+* **dcp_ext**: ``DcpExtSaveShardedStrategy()`` through the same ``save``
+  (local); on S3 ``dcp_ext.integrations.megatron.save`` (same files, through
+  dcp_ext's stores).
+
+Both save the same items (Megatron's conversion); each save writes into a
+fresh directory. Untimed before each save, as for both systems: the sharded
+state dict is built, and (local) the directory created, since Megatron's
+``save`` lists it first on rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["MegatronSystem", "megatron_state"]
+
+
+def megatron_state(model: Any, optimizers: Any, rank: int, world: int) -> dict[str, Any]:
+    """(each rank) The model and its AdamW moments as a Megatron sharded state dict."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from bench.harness.state import local_tensor
+
+    optimizer = optimizers.optimizers[0]
+
+    def sharded(key: str, tensor: Any) -> Any:
+        local = local_tensor(tensor).detach()
+        assert local.shape[0] * world == tensor.shape[0], f"{key}: Shard(0) of {tuple(tensor.shape)} is uneven"
+        return ShardedTensor.from_rank_offsets(key, local, (0, rank, world))
+
+    state: dict[str, Any] = {"model": {}, "optimizer": {}, "iteration": 0}
+    for name, param in model.named_parameters():
+        state["model"][name] = sharded(f"model.{name}", param)
+        moments = optimizer.state[param]
+        state["optimizer"][name] = {k: sharded(f"optimizer.{name}.{k}", moments[k]) for k in ("exp_avg", "exp_avg_sq")}
+    return state
+
+
+class MegatronSystem:
+    """A Megatron-Core save of :func:`megatron_state` (a system of bench.frameworks)."""
+
+    framework = "megatron"
+    #: Not in bench.frameworks' table of what a save pays storing nothing
+    #: (that one measures DCP's default planner on the framework's own state dict).
+    fixed_costs = False
+
+    def __init__(self, kind: str, root: str, job: dict[str, Any], stock: bool,
+                 options: dict[str, Any] | None) -> None:
+        self.kind = kind
+        self.stock = stock
+        self.name = "megatron_stock" if stock else "megatron_dcp_ext"
+        self.root = f"{root}/{self.name}"
+        self.job = job
+        self.options = dict(options or {})
+        self.state: dict[str, Any] = {}
+        if stock:
+            assert kind == "local", "Megatron's own save writes local paths only"
+            self.label = "Megatron-Core dist_checkpointing.save, torch_dist (stock)"
+            self.settings = ("`TorchDistSaveShardedStrategy` defaults (2 writer processes per rank); "
+                             "CUDA calls stubbed for CPU")
+        else:
+            self.label = "dcp_ext DcpExtSaveShardedStrategy"
+            self.settings = ("dcp_ext CheckpointWriter defaults, through Megatron's `save`" if kind == "local"
+                             else "dcp_ext CheckpointWriter defaults, through `dcp_ext.integrations.megatron.save`")
+
+    def _state(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        return megatron_state(self.job["model"], self.job["optimizers"], dist.get_rank(), dist.get_world_size())
+
+    def prepare(self) -> dict[str, Any]:
+        """This rank's tensors (for the byte count): each shard's local data."""
+        from megatron.core.dist_checkpointing import ShardedTensor
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+        return {sh.key: sh.data for sh in nested_values(self._state()) if isinstance(sh, ShardedTensor)}
+
+    def before(self, i: int) -> None:
+        """(all ranks, untimed) Build the sharded state dict (as a trainer does
+        before each save, the same for both systems) and, as Megatron's
+        ``save`` lists the directory first (rank 0), make it."""
+        import torch.distributed as dist
+
+        self.state = self._state()
+        self.state["iteration"] = i
+        if self.kind == "local" and dist.get_rank() == 0:
+            os.makedirs(f"{self.root}/save-{i}")
+        dist.barrier()
+
+    def save(self, i: int) -> str:
+        from megatron.core import dist_checkpointing
+
+        from dcp_ext.integrations import megatron as dcp_megatron
+        from tests.support.megatron_workers import cuda_calls_stubbed
+
+        where = f"{self.root}/save-{i}"
+        if self.stock:
+            with cuda_calls_stubbed():
+                dist_checkpointing.save(self.state, where)
+        elif self.kind == "local":
+            dist_checkpointing.save(self.state, where, sharded_strategy=dcp_megatron.DcpExtSaveShardedStrategy())
+        else:
+            dcp_megatron.save(self.state, where, storage_options=self.options)
+        return where
+
+    def close(self) -> None:
+        """(each rank, after the last save) Stop the process Megatron's writer started."""
+        if self.stock:
+            from tests.support.megatron_workers import stop_writer_results_manager
+
+            stop_writer_results_manager()

@@ -8,16 +8,18 @@ themselves; this part sequences them for each save and restore.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import itertools
 import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._runtime import GroupView, NodeMap
+from .._runtime import GroupView, NodeMap, RankWatch, watched_group
 from ..dcp_io import (
     AsyncSaveHandle,
     CheckpointReader,
@@ -25,6 +27,7 @@ from ..dcp_io import (
     run_save,
     start_async_save,
 )
+from ..dcp_io._watched import rank_failure
 from ..errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -40,6 +43,7 @@ from ..root import CheckpointRoot, RetentionPolicy
 from ..storage import Store
 from ..storage.tiered import TieredStore
 from ..tiers import (
+    DRAIN_PHASES,
     LocalTier,
     RestorePlan,
     drain,
@@ -59,6 +63,14 @@ log = logging.getLogger("dcp_ext.manager")
 
 #: Bytes a rank may write beside its tensors in one save (headers, metadata, partition).
 _SMALL_FILES_ALLOWANCE = 1 << 20
+#: The steps of a tiered save after its local ``dcp.save``, in order (each
+#: ``*ed`` one: this rank's part is over, it waits for the others).
+SAVE_STEPS = ("local_commit", "local_committed", "share", "shared", "replicate", "replicated", "local_newest",
+              "local_newest_set", "done")
+#: The steps of a tiered restore before its load (which has its own watch).
+RESTORE_STEPS = ("inventory", "heal", "healed", "done")
+_CHECK_STEPS = ("room", "done")
+_Phase = Callable[[str], None]
 
 
 class TieredCheckpoints:
@@ -109,8 +121,11 @@ class TieredCheckpoints:
         ctx, options = self.ctx, self.options
         self._saves += 1
         persist = request.persist or (options.persist_every > 0 and self._saves % options.persist_every == 0)
-        lacking = self.local.lacking_room(_state_nbytes(request.model, request.optimizer) + _SMALL_FILES_ALLOWANCE,
-                                          options.local_tier_bytes, options.replicas)
+        with self._watched(ctx.process_group, _CHECK_STEPS, "tiered save", self.local.partial_url(request.tag),
+                           lambda step: f"Nothing was saved: {request.tag!r} is in no tier"):
+            lacking = self.local.lacking_room(
+                _state_nbytes(request.model, request.optimizer) + _SMALL_FILES_ALLOWANCE, options.local_tier_bytes,
+                options.replicas)
         if lacking is not None:
             if self.incremental.enabled:
                 # Its base is the root's newest: no drain may move it (or retire it) meanwhile.
@@ -185,27 +200,46 @@ class TieredCheckpoints:
     ) -> None:
         """(all ranks, after the local-tier ``dcp.save`` returned on every rank)
         Commit ``tag`` on every node, move the nodes' ``newest``, apply local
-        retention, and start the drain to the root if ``persist``."""
+        retention, and start the drain to the root if ``persist``.
+
+        Watched (:data:`SAVE_STEPS`): a rank that dies, is cut off or stalls
+        fails the save on every other rank with
+        :class:`~dcp_ext.errors.RankFailedError` naming it and saying what
+        became of the tag. A save whose replication fails this way is not
+        committed again "with the replicas it has": the tag was committed on
+        every node before any replica was sent, a replica file not completely
+        received is never under its name, and across a partition no rank
+        could learn which replicas the other side wrote.
+        """
         local = self.local
-        local.spread_commit(tag)
-        local.share_replicated(tag)
-        if self.options.replicas:
-            local.replicate(tag)
-        with self.in_flight.lock:
-            protect = set(self._draining) | {tag}
-            if persist:
-                self._draining.add(tag)
-        error = None
         try:
-            local.after_local_commit(tag, self.options.keep_local, protect)
-        except DcpExtError as err:
-            error = str(err)
-        try:
-            raise_if_any(self.ctx.group, error, f"moving the local tier's newest to {tag!r} / local retention")
-        except DcpExtError as err:
+            with self._watched(self.ctx.process_group, SAVE_STEPS, "tiered save", local.partial_url(tag),
+                               lambda step: _save_outcome(tag, step)) as phase:
+                local.spread_commit(tag, done=lambda: phase("local_committed"))
+                phase("share")
+                local.share_replicated(tag, sent=lambda: phase("shared"))
+                if self.options.replicas:
+                    phase("replicate")
+                    local.replicate(tag, sent=lambda: phase("replicated"))
+                phase("local_newest")
+                with self.in_flight.lock:
+                    protect = set(self._draining) | {tag}
+                    if persist:
+                        self._draining.add(tag)
+                error = None
+                try:
+                    local.after_local_commit(tag, self.options.keep_local, protect)
+                except DcpExtError as err:
+                    error = str(err)
+                phase("local_newest_set")
+                try:
+                    raise_if_any(self.ctx.group, error, f"moving the local tier's newest to {tag!r} / local retention")
+                except DcpExtError as err:
+                    raise PostCommitError(f"checkpoint {tag!r} committed in the local tier, but {err}") from err
+        except BaseException:
             with self.in_flight.lock:
                 self._draining.discard(tag)
-            raise PostCommitError(f"checkpoint {tag!r} committed in the local tier, but {err}") from err
+            raise
         if not persist:
             return
         drained = self._drains.submit(self._drain, tag, policy)
@@ -216,9 +250,11 @@ class TieredCheckpoints:
 
     def _drain(self, tag: str, policy: RetentionPolicy | None) -> None:
         try:
-            drain(self.local, self.ctx.checkpoints, tag, GroupView(self._drain_group), policy,
-                  max_chain=self.incremental.max_chain if self.incremental.enabled else None,
-                  storage_options=self.ctx.storage_options)
+            with self._watched(self._drain_group, DRAIN_PHASES, "drain", self.ctx.checkpoints.partial_url(tag),
+                               lambda step: _drain_outcome(tag, step, self.ctx.root)) as phase:
+                drain(self.local, self.ctx.checkpoints, tag, GroupView(self._drain_group), policy,
+                      max_chain=self.incremental.max_chain if self.incremental.enabled else None,
+                      storage_options=self.ctx.storage_options, phase=phase)
         except BaseException as err:
             log.warning("checkpoint %r stays in the local tier only: drain to %s failed: %s", tag, self.ctx.root, err)
             raise
@@ -257,31 +293,34 @@ class TieredCheckpoints:
         if tag is not None:
             validate_tag(tag)
         ctx, local = self.ctx, self.local
-        inventories = local.gather_inventories()
         root = ctx.checkpoints
+        where = local.partial_url(tag) if tag is not None else local.path
+        with self._watched(ctx.process_group, RESTORE_STEPS, "tiered restore", where, _restore_outcome) as phase:
+            inventories = local.gather_inventories()
 
-        def root_tags() -> tuple[list[TagInfo], str | None]:
-            # The persistent tier being down must not stop a restore that the local tiers can serve.
-            try:
-                return (root.committed() if root.exists() else []), None
-            except (DcpExtError, OSError) as err:
-                return [], f"{type(err).__name__}: {err}"
+            def root_tags() -> tuple[list[TagInfo], str | None]:
+                # The persistent tier being down must not stop a restore that the local tiers can serve.
+                try:
+                    return (root.committed() if root.exists() else []), None
+                except (DcpExtError, OSError) as err:
+                    return [], f"{type(err).__name__}: {err}"
 
-        persisted, unreachable = ctx.group.run_on_coordinator(root_tags)
-        if unreachable is not None:
-            log.warning("cannot list the persistent root %s (%s); restoring from the local tiers only",
-                        root.url, unreachable)
-        plan = plan_restore(inventories, persisted, local.nodes, tag)
-        if plan is None:
-            where = f"the local tiers or {root.url}" + (f" (unreachable: {unreachable})" if unreachable else "")
-            what = f"checkpoint {tag!r}" if tag is not None else "committed checkpoint"
-            raise CheckpointNotFoundError(f"no {what} readable from {where}", root.url)
-        # A root copy written by an incremental drain refers to other tags'
-        # files: its data files are not the local ones, so the two copies are
-        # never mixed file by file (dcp_ext.tiers._incremental_drain).
-        apart = plan.in_root and ctx.group.run_on_coordinator(lambda: _root_refers(root, plan.tag))
-        if plan.fetches:
-            local.heal(plan, inventories)
+            persisted, unreachable = ctx.group.run_on_coordinator(root_tags)
+            if unreachable is not None:
+                log.warning("cannot list the persistent root %s (%s); restoring from the local tiers only",
+                            root.url, unreachable)
+            plan = plan_restore(inventories, persisted, local.nodes, tag)
+            if plan is None:
+                places = f"the local tiers or {root.url}" + (f" (unreachable: {unreachable})" if unreachable else "")
+                what = f"checkpoint {tag!r}" if tag is not None else "committed checkpoint"
+                raise CheckpointNotFoundError(f"no {what} readable from {places}", root.url)
+            # A root copy written by an incremental drain refers to other tags'
+            # files: its data files are not the local ones, so the two copies are
+            # never mixed file by file (dcp_ext.tiers._incremental_drain).
+            apart = plan.in_root and ctx.group.run_on_coordinator(lambda: _root_refers(root, plan.tag))
+            if plan.fetches:
+                phase("heal")
+                local.heal(plan, inventories, sent=lambda: phase("healed"))
         sources: list[tuple[str, Store]] = []
         if local.node in plan.local_nodes | plan.healed_nodes and not (apart and not plan.local_complete):
             sources.append(("local", local.checkpoints.partial_store(plan.tag)))
@@ -296,8 +335,10 @@ class TieredCheckpoints:
             result = self.partial.load(plan.tag, model, optimizer, strict, allow_dtype_cast, reader)
         except Exception as err:  # noqa: BLE001 - decided on every rank alike below
             failure = err
-        damaged = ctx.group.all_gather(isinstance(failure, (CheckpointCorruptError, CheckpointNotFoundError))
-                                       and sources[0][0] == "local")
+        with self._watched(ctx.process_group, _CHECK_STEPS, "tiered restore", local.partial_url(plan.tag),
+                           lambda step: "The model may hold part of it"):
+            damaged = ctx.group.all_gather(isinstance(failure, (CheckpointCorruptError, CheckpointNotFoundError))
+                                           and sources[0][0] == "local")
         if not any(damaged):
             if failure is not None:
                 raise failure
@@ -315,6 +356,72 @@ class TieredCheckpoints:
         store = TieredStore(sources)
         return CheckpointReader(store.describe(), storage_options=self.ctx.storage_options, config=self.ctx.config,
                                 store=store, read_once=False)
+
+    @contextlib.contextmanager
+    def _watched(self, group: Any, steps: tuple[str, ...], what: str, path: str,
+                 outcome: Callable[[str], str]) -> Iterator[_Phase]:
+        """(all ranks of ``group``; collective the first time for it) Run the
+        block's collectives watched, as ``dcp.save`` and ``dcp.load`` are
+        (:mod:`dcp_ext._runtime.rank_watch`): each rank reports the step it
+        is in (the callable this yields, with one of ``steps``) and a
+        heartbeat; when a collective fails (the group's bound is
+        ``collective_timeout``), every surviving rank raises
+        :class:`~dcp_ext.errors.RankFailedError` naming the ranks that did not
+        arrive, their hosts, the step and ``outcome(step)``: what became of
+        the checkpoint. Another rank's dcp_ext error passes unchanged (every
+        rank raises it already)."""
+        timeout = self.ctx.config.collective_timeout
+        watched = watched_group(group, timeout)
+        # The heartbeat of a group bounded by ``timeout`` (as rank_watch picks for
+        # its own groups): the manager made these groups with it, and a survivor
+        # reads the others' records 1.5 heartbeats apart before it raises.
+        watcher = None if watched is None else RankWatch(
+            watched, steps, interval=max(1.0, min(5.0, timeout / 10), len(watched.members) / 500))
+        failed = True
+        try:
+            yield watcher.phase if watcher is not None else _no_phase
+            failed = False
+        except Exception as exc:
+            step = watcher.phase_name if watcher is not None else ""
+            error = rank_failure(watcher, exc, exc, what, path, lambda: outcome(step))
+            if error is exc:
+                raise
+            raise error from error.__cause__
+        finally:
+            if watcher is not None:
+                watcher.close(ok=not failed)
+
+
+def _no_phase(step: str) -> None:
+    """The step reporter of an unwatched block (one process)."""
+
+
+def _save_outcome(tag: str, step: str) -> str:
+    """What became of ``tag`` when its tiered save failed at ``step`` (:data:`SAVE_STEPS`)."""
+    if step in ("local_commit", "local_committed"):
+        return (f"Checkpoint {tag!r} is committed in the local tier of rank 0's node and maybe of others (a restore "
+                f"reads it only where every rank's files are); nothing was drained to the root")
+    if step in ("share", "shared", "replicate", "replicated"):
+        return (f"Checkpoint {tag!r} is committed in every node's local tier (a restore reads it from there); its "
+                f"replicas on partner nodes may be incomplete (a replica not completely received is never read); "
+                f"nothing was drained to the root")
+    return (f"Checkpoint {tag!r} is committed and replicated in every node's local tier; some nodes' newest or "
+            f"local retention may not be updated; nothing was drained to the root")
+
+
+def _drain_outcome(tag: str, step: str, root: str) -> str:
+    """What became of ``tag`` when its drain to ``root`` failed at ``step`` (:data:`~dcp_ext.tiers.DRAIN_PHASES`)."""
+    if step == "drain_commit":
+        return (f"Checkpoint {tag!r} is in the local tiers; rank 0 was committing it to {root}: it is there if "
+                f"rank 0 finished (the root's newest moves only then)")
+    return f"Checkpoint {tag!r} stays in the local tiers only: nothing was committed to {root}, its newest is unchanged"
+
+
+def _restore_outcome(step: str) -> str:
+    """What became of a tiered restore that failed at ``step`` (:data:`RESTORE_STEPS`)."""
+    if step in ("heal", "healed"):
+        return "Nothing was loaded; files already fetched from partner nodes are complete copies in their tiers"
+    return "Nothing was loaded"
 
 
 def _copy_outcome(source: concurrent.futures.Future[None], target: concurrent.futures.Future[None]) -> None:

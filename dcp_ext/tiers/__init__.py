@@ -11,7 +11,7 @@ and below; the manager imports it.
 
 from __future__ import annotations
 
-from ._drain import copy_file, drain
+from ._drain import DRAIN_PHASES, copy_file, drain
 from ._incremental_drain import refers_elsewhere
 from ._local_tier import LocalTier, raise_if_any
 from ._restore_plan import (
@@ -23,6 +23,7 @@ from ._restore_plan import (
 )
 
 __all__ = [
+    "DRAIN_PHASES",
     "LocalTagState",
     "LocalTier",
     "NodeInventory",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from .._runtime import GroupView, crash_point, validate_relative_name
@@ -22,11 +23,13 @@ from ._incremental_drain import (
 )
 from ._local_tier import LocalTier, raise_if_any, read_commit_files, write_commit_files
 
-__all__ = ["drain", "copy_file"]
+__all__ = ["drain", "copy_file", "DRAIN_PHASES"]
 
 log = logging.getLogger("dcp_ext.tiers")
 
 _COPY_CHUNK = 16 << 20
+#: The steps of a drain, in order, as :func:`drain` reports them to its ``phase``.
+DRAIN_PHASES = ("drain_lock", "drain_copy", "drain_copied", "drain_commit", "done")
 _HEAD_BYTES = 512
 
 
@@ -54,6 +57,7 @@ def drain(
     policy: RetentionPolicy | None,
     max_chain: int | None = None,
     storage_options: dict[str, Any] | None = None,
+    phase: Callable[[str], None] | None = None,
 ) -> int:
     """(all ranks of ``group``) Copy the locally committed ``tag`` to the
     persistent root with the usual commit protocol.
@@ -71,6 +75,10 @@ def drain(
     (:mod:`dcp_ext.tiers._incremental_drain`); without a usable base it copies
     byte for byte.
 
+    ``phase`` is told each step this rank enters (:data:`DRAIN_PHASES`), for
+    the caller's watch (:mod:`dcp_ext._runtime.rank_watch`): a peer still
+    copying is told from one waiting for the others.
+
     Returns:
         Bytes this rank wrote to the root's data files.
     """
@@ -84,7 +92,9 @@ def drain(
                               target.describe(METADATA_FILE))
         lock.acquire()
 
+    step = phase or (lambda name: None)
     group.run_on_coordinator(take_lock)
+    step("drain_copy")
     written = 0
     leases: list[Lease] = []  # (coordinator) the root lease on an incremental drain's base
     try:
@@ -112,6 +122,7 @@ def drain(
                 written = share_of.written
         except DcpExtError as err:
             error = err
+        step("drain_copied")
         raise_if_any(group, error, f"copying {tag!r} to {persistent.url}")
         shares = group.all_gather(share_of) if base.tag is not None else []
         crash_point("before_drain_commit")
@@ -142,6 +153,7 @@ def drain(
             except DcpExtError as err:
                 log.warning("could not remove leftovers under %s: %s", persistent.url, err)
 
+        step("drain_commit")
         group.run_on_coordinator(commit)
     finally:
         if group.is_coordinator:

@@ -41,13 +41,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from .._runtime import GroupView, NodeMap, crash_point
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, DcpExtError
 from ..layout import PARTITION_FILE, USER_CONTENT_FILE, Partition
-from ..metadata import METADATA_FILE, TORCH_METADATA_FILE, read_created
+from ..metadata import METADATA_FILE, TORCH_METADATA_FILE, decode_metadata, read_created
 from ..root import CheckpointRoot, KeepLast
 from ..storage import Store
 from ._replicas import Transfer, replica_transfers, send_files
@@ -130,10 +130,11 @@ class LocalTier:
                         f"on its file system) and this save needs {wanted}")
         return None
 
-    def spread_commit(self, tag: str) -> None:
+    def spread_commit(self, tag: str, done: Callable[[], None] | None = None) -> None:
         """(all ranks) Copy the coordinator's commit files of ``tag`` to every
         other node, the metadata last. Every rank raises the same error if any
-        node could not write them."""
+        node could not write them. ``done`` is called once this rank's part
+        is over (before the exchange of errors), for the caller's watch."""
         payload: dict[str, bytes] | None = None
         if self.group.is_coordinator:
             payload = read_commit_files(self.checkpoints.partial_store(tag))
@@ -146,6 +147,8 @@ class LocalTier:
                 write_commit_files(self.checkpoints.partial_store(tag), payload)
             except DcpExtError as err:
                 error = f"node {self.node} (rank {self.group.rank}): {err}"
+        if done is not None:
+            done()
         raise_if_any(self.group, error, f"committing {tag!r} in the local tier")
 
     def after_local_commit(self, tag: str, keep_local: int | None, protect: Collection[str]) -> None:
@@ -189,9 +192,10 @@ class LocalTier:
                      [e for _, e in every], local=error)
         return store, [f for f, _ in every]
 
-    def share_replicated(self, tag: str) -> None:
+    def share_replicated(self, tag: str, sent: Callable[[], None] | None = None) -> None:
         """(all ranks) Copy each rank's ``replicated_*`` file (plain tensors and
-        values that every rank loads) to the leader of every other node."""
+        values that every rank loads) to the leader of every other node
+        (``sent``: see :func:`~dcp_ext.tiers._replicas.send_files`)."""
         store, every = self._gather_own_files(tag, replicated=True)
         nodes = self.nodes
         transfers = [
@@ -200,11 +204,14 @@ class LocalTier:
             for node in range(nodes.node_count) if node != nodes.node_of(rank)
         ]
         if transfers:
-            send_files(self.group, transfers, store, store)
+            send_files(self.group, transfers, store, store, sent)
+        elif sent is not None:
+            sent()
 
-    def replicate(self, tag: str) -> None:
+    def replicate(self, tag: str, sent: Callable[[], None] | None = None) -> None:
         """(all ranks) Send this rank's data files of the locally committed
-        ``tag`` to its partner node, which keeps them in its own tier."""
+        ``tag`` to its partner node, which keeps them in its own tier
+        (``sent``: see :func:`~dcp_ext.tiers._replicas.send_files`)."""
         store, every = self._gather_own_files(tag, replicated=False)
         nodes = self.nodes
         transfers = replica_transfers(
@@ -212,15 +219,17 @@ class LocalTier:
             {n: nodes.partner_of(n) for n in range(nodes.node_count)},
             {n: nodes.ranks_on(n) for n in range(nodes.node_count)},
         )
-        send_files(self.group, transfers, store, store)
+        send_files(self.group, transfers, store, store, sent)
 
-    def heal(self, plan: RestorePlan, inventories: Sequence[NodeInventory]) -> None:
+    def heal(self, plan: RestorePlan, inventories: Sequence[NodeInventory],
+             sent: Callable[[], None] | None = None) -> None:
         """(all ranks) Bring the files ``plan.fetches`` names to the ranks'
-        nodes from their partners, then commit the tag on the nodes that lacked it."""
+        nodes from their partners, then commit the tag on the nodes that lacked it
+        (``sent``: see :func:`~dcp_ext.tiers._replicas.send_files`)."""
         store = self.checkpoints.partial_store(plan.tag)
         if any(t.target == self.group.rank for t in plan.fetches):
             store.ensure_root()
-        send_files(self.group, plan.fetches, store, store)
+        send_files(self.group, plan.fetches, store, store, sent)
         # The commit files, from the lowest node that has the tag committed.
         source = min(plan.local_nodes)
         payload = None
@@ -237,7 +246,13 @@ class LocalTier:
 
     # -- restore --------------------------------------------------------------------
     def inventory(self) -> NodeInventory | None:
-        """(any rank; ``None`` except on node leaders) This node's committed tags."""
+        """(any rank; ``None`` except on node leaders) This node's committed tags.
+
+        A data file counts only if its size is the one the tag's metadata
+        records: a copy (a replica, say) that was not completely written is
+        never a source, even under its own name (a store without atomic
+        renames, a power loss before its bytes reached the disk).
+        """
         if not self.is_leader:
             return None
         tags: dict[str, LocalTagState] = {}
@@ -246,11 +261,12 @@ class LocalTier:
         for tag in self.checkpoints.partial_tags():
             store = self.checkpoints.partial_store(tag)
             try:
-                head = store.read_head(METADATA_FILE, _HEAD_BYTES)
+                document = store.read_file(METADATA_FILE)
+                sizes = decode_metadata(document, store.describe(METADATA_FILE)).files
                 partition = Partition.from_json(store.read_file(PARTITION_FILE), store.describe(PARTITION_FILE))
             except CheckpointCorruptError as err:
-                # A damaged or hostile partition.json (UnsafeNameError): the tag is
-                # read from the other nodes or the root, never by the names it gives.
+                # Damaged metadata, a damaged or hostile partition.json (UnsafeNameError):
+                # the tag is read from the other nodes or the root, never by the names it gives.
                 log.warning("not restoring %r from the local tier %s: %s", tag, self.path, err)
                 continue
             except DcpExtError:
@@ -258,10 +274,19 @@ class LocalTier:
             rank_files = tuple(tuple(r.files) for r in sorted(partition.ranks, key=lambda r: r.rank))
             # Only the files the record names (checked names), as peers are sent this list.
             named = {name for files in rank_files for name in files}
-            files = {n: store.size(n) for n in store.list_tree() if n in named}
+            files = {}
+            for name in store.list_tree():
+                if name not in named:
+                    continue
+                size = store.size(name)
+                if name in sizes and size != sizes[name]:
+                    log.warning("not using %s as a source: %d bytes where its metadata records %d (not completely "
+                                "written)", store.describe(name), size, sizes[name])
+                    continue
+                files[name] = size
             if len(rank_files) != partition.world_size:
                 continue
-            tags[tag] = LocalTagState(tag, read_created(head) or 0.0, files, rank_files)
+            tags[tag] = LocalTagState(tag, read_created(document[:_HEAD_BYTES]) or 0.0, files, rank_files)
         return NodeInventory(self.node, tags)
 
     def gather_inventories(self) -> list[NodeInventory]:

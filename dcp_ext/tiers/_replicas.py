@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,10 +78,12 @@ def replica_transfers(rank_files: Sequence[Sequence[tuple[str, int]]], node_of: 
     return out
 
 
-def send_files(group: GroupView, transfers: Sequence[Transfer], source: Store | None, target: Store | None) -> None:
+def send_files(group: GroupView, transfers: Sequence[Transfer], source: Store | None, target: Store | None,
+               sent: Callable[[], None] | None = None) -> None:
     """(all ranks) Run ``transfers``: this rank sends what it is the source of
     (read from ``source``) and writes what it is the target of (into
-    ``target``, each file committed whole or not at all).
+    ``target``, each file committed whole or not at all: a file whose last
+    piece never came is never under its name, so no inventory counts it).
 
     Sends run on a thread of their own while this thread receives and writes,
     so both directions of a pair of nodes and the disk work overlap; each
@@ -89,11 +91,18 @@ def send_files(group: GroupView, transfers: Sequence[Transfer], source: Store | 
     A rank that fails (a read, a write) still exchanges every piece, so no peer
     waits for it forever, then every rank raises the same error.
 
+    Args:
+        sent: Called once this rank's own sends and receives are over (before
+            the exchange of errors): the caller's watch reports the rank
+            there, so a peer still transferring is told from one waiting.
+
     Raises:
         UnsafeNameError: A file name in ``transfers`` (which peers made from
             their tiers' files) is not a plain relative name; every rank
             raises it before anything is read, sent or written.
         DcpExtError: A transfer is malformed, or a transfer failed.
+        RuntimeError: The process group failed (a peer died or was cut off:
+            gloo's error at the group's timeout); the caller's watch names the peer.
     """
     rank = group.rank
     check_transfers(transfers, group.world_size)
@@ -115,6 +124,8 @@ def send_files(group: GroupView, transfers: Sequence[Transfer], source: Store | 
     finally:
         if sender is not None:
             sender.join()
+    if sent is not None:
+        sent()
     mine = f"rank {rank}: {'; '.join(errors)}" if errors else None
     every = [e for e in group.all_gather(mine) if e is not None]
     if every:

@@ -92,11 +92,11 @@ import argparse
 import concurrent.futures
 import contextlib
 import datetime
+import json
 import os
 import random
 import shlex
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -108,27 +108,22 @@ from typing import Any
 from bench.harness.machine import machine_info
 from bench.harness.report import publish
 from bench.harness.storage import storage
+from bench.blocking_report import (
+    CHECKPOINTING,
+    DEFAULT_SYSTEMS,
+    MEMORY_ENV,
+    MEMORY_SYSTEMS,
+    SYSTEMS,
+    per_save,
+    render,
+    world_cpu,
+)
+from bench.harness.threads import ThreadCpu
 from bench.harness.training import BATCH, build_training, forward_backward, layer_width, optimizer_step
 from dcp_ext.config import parse_size
 from tests.support.dist import run_world
 
 MiB = 1 << 20
-GiB = 1 << 30
-
-# The memory worlds (see the module docstring): these systems, with this allocator setting.
-MEMORY_SYSTEMS = ["none", "dcp_ext_background", "torch_default_stager"]
-MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-
-# name -> label; "none" first, then the checkpointing systems in table order.
-SYSTEMS: dict[str, str] = {
-    "none": "no checkpoint",
-    "dcp_ext_sync": "dcp_ext sync (`CheckpointManager.save`)",
-    "dcp_ext_async_copy": "dcp_ext async, blocking copy (`dcp.async_save` + `CheckpointWriter`, no stager)",
-    "dcp_ext_background": "dcp_ext background staging (`CheckpointManager.save(async_save=True)`)",
-    "torch_fs_async": "torch FileSystemWriter, default async (`dcp.async_save`, writer stages)",
-    "torch_default_stager": "torch DefaultStager (async staging, no pinned/shared memory)",
-}
-CHECKPOINTING = [name for name in SYSTEMS if name != "none"]
 
 
 # -- the training job (runs on each rank; its model: bench.harness.training) --------
@@ -194,7 +189,21 @@ class ManagerSync(Saver):
 
 
 class ManagerBackground(ManagerSync):
-    """``CheckpointManager.save(..., async_save=True)``: background staging into reused buffers."""
+    """``CheckpointManager.save(..., async_save=True)``: background staging into reused buffers
+    (``cpu_share``: the stager's, else the default)."""
+
+    def __init__(self, root: str, options: dict[str, Any] | None, group: Any, cpu_share: float | None = None) -> None:
+        import dcp_ext
+
+        Saver.__init__(self, root, group)
+        stager = dcp_ext.Stager(cpu_share=cpu_share) if cpu_share is not None else None
+        self.manager = dcp_ext.CheckpointManager(root, storage_options=options, process_group=group, stager=stager)
+        self.stager = stager
+
+    def close(self) -> None:
+        super().close()
+        if self.stager is not None:
+            self.stager.close()
 
     def save(self, tag: str, model: Any, optim: Any) -> Pending:
         handle = self.manager.save(tag, model, optim, async_save=True)
@@ -226,6 +235,22 @@ class StockAsync(Saver):
             self.stager.close()
 
 
+class StockSync(Saver):
+    """``dcp.save(get_state_dict(model, optim), storage_writer=writer(path))``: returns when committed."""
+
+    def __init__(self, root: str, group: Any, writer: Callable[[str], Any]) -> None:
+        super().__init__(root, group)
+        self.writer = writer
+
+    def save(self, tag: str, model: Any, optim: Any) -> Pending:
+        import torch.distributed.checkpoint as dcp
+
+        from tests.support.dist_workers import app_state
+
+        dcp.save(app_state(model, optim), storage_writer=self.writer(f"{self.root}/{tag}"), process_group=self.group)
+        return Pending()
+
+
 def _torch_writer(path: str, options: dict[str, Any] | None) -> Any:
     """torch's writer for ``path``: ``FileSystemWriter`` locally, ``FsspecWriter`` (s3fs) on S3."""
     if options is None:
@@ -245,6 +270,16 @@ def make_saver(system: str, root: str, options: dict[str, Any] | None, group: An
         return ManagerSync(root, options, group)
     if system == "dcp_ext_background":
         return ManagerBackground(root, options, group)
+    if system == "dcp_ext_background_full":
+        return ManagerBackground(root, options, group, cpu_share=1.0)
+    if system == "dcp_ext_background_low":
+        return ManagerBackground(root, options, group, cpu_share=0.05)
+    if system == "dcp_ext_background_notrim":
+        # An experiment (issue 44): the writer's malloc_trim after write_data left out.
+        import dcp_ext.dcp_io._writer as writer_module
+
+        writer_module.release_free_memory = lambda: None  # type: ignore[attr-defined]
+        return ManagerBackground(root, options, group)
     if system == "dcp_ext_async_copy":
         from dcp_ext import CheckpointWriter
 
@@ -252,6 +287,8 @@ def make_saver(system: str, root: str, options: dict[str, Any] | None, group: An
     torch_writer = lambda path: _torch_writer(path, options)  # noqa: E731
     if system == "torch_fs_async":
         return StockAsync(root, group, torch_writer)
+    if system == "torch_sync":
+        return StockSync(root, group, torch_writer)
     if system == "torch_default_stager":
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -292,30 +329,52 @@ def timed_save(saver: Saver, tag: str, model: Any, optim: Any, previous: Pending
     return record, pending
 
 
-def training_loop(model: Any, optim: Any, batch: Any, saver: Saver | None, steps: int, every: int) -> dict[str, Any]:
+def training_loop(model: Any, optim: Any, batch: Any, saver: Saver | None, steps: int, every: int,
+                  cpu: Any = None, machine: Any = None) -> dict[str, Any]:
     """``steps`` training steps, saving after every ``every``-th; then the drain.
 
-    Returns wall and drain seconds, per-step seconds and one record per save.
+    ``cpu`` (a :class:`~bench.harness.threads.ThreadCpu`) is told where the
+    steps and the drain begin; ``machine`` (a :class:`MachineCpu`) is read there too.
+
+    Returns wall and drain seconds, per-step seconds, each step's compute
+    seconds (forward/backward and optimizer step, waits and save calls
+    excluded) and one record per save.
     """
     import torch.distributed as dist
 
     saves: list[dict[str, Any]] = []
     step_seconds: list[float] = []
+    compute_seconds: list[float] = []
     pending = Pending()
     dist.barrier()
+    if cpu is not None:
+        cpu.mark("steps")
+    if machine is not None:
+        machine.mark("steps")
     start = time.perf_counter()
+    busy: list[bool] = []  # a save in flight during the step, or made in it
     for step in range(1, steps + 1):
         began = time.perf_counter()
+        busy.append(pending.staging is not None or (pending.upload is not None and not pending.upload.done()))
         forward_backward(model, batch)
+        computed = time.perf_counter() - began
         if pending.staging is not None:
             saves[-1]["wait_staging"] = waited(pending.staging)
             pending.staging = None
+        stepped = time.perf_counter()
         optimizer_step(optim)
+        computed += time.perf_counter() - stepped
+        compute_seconds.append(computed)
         if saver is not None and step % every == 0:
             record, pending = timed_save(saver, f"step{step}", model, optim, pending)
             saves.append(record)
+            busy[-1] = True
         step_seconds.append(time.perf_counter() - began)
     wall = time.perf_counter() - start
+    if cpu is not None:
+        cpu.mark("drain")
+    if machine is not None:
+        machine.mark("drain")
     if pending.staging is not None:
         saves[-1]["wait_staging"] = waited(pending.staging)
         saves[-1]["followed_by_step"] = False
@@ -324,7 +383,45 @@ def training_loop(model: Any, optim: Any, batch: Any, saver: Saver | None, steps
         saver.close()
     drain = time.perf_counter() - start - wall
     return {"wall": wall, "drain": drain, "drain_upload": drain_upload, "step_seconds": step_seconds,
-            "saves": saves}
+            "compute_seconds": compute_seconds, "busy": busy, "saves": saves}
+
+
+class MachineCpu:
+    """Busy CPU seconds of the whole machine (``/proc/stat``) and of the S3
+    server's process (``/proc/<pid>/stat``), per phase: what else ran while the steps did."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.server_pid = server_pid
+        self.phases: dict[str, dict[str, float]] = {}
+        self._phase: str | None = None
+        self._at: dict[str, float] = {}
+
+    @staticmethod
+    def _busy() -> float:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def _server(self) -> float:
+        if self.server_pid is None:
+            return 0.0
+        try:
+            with open(f"/proc/{self.server_pid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        # utime, stime, cutime, cstime: fields 14-17 (rest starts at field 3)
+        return sum(int(x) for x in rest[11:15]) / os.sysconf("SC_CLK_TCK")
+
+    def _read(self) -> dict[str, float]:
+        return {"machine_busy": self._busy(), "server": self._server(), "wall": time.perf_counter()}
+
+    def mark(self, phase: str | None) -> None:
+        now = self._read()
+        if self._phase is not None:
+            self.phases[self._phase] = {key: now[key] - self._at[key] for key in now}
+        self._phase, self._at = phase, now
 
 
 def train_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -347,12 +444,22 @@ def train_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, An
     saver = make_saver(cfg["system"], cfg["root"], cfg["options"], group)
     gc.collect()
     rss_before_loop = int(process.memory_info().rss)
-    with RssSampler(0.01) as sampler:
-        run = training_loop(model, optim, batch, saver, cfg["steps"], cfg["every"])
+    machine = MachineCpu(cfg.get("server_pid")) if rank == 0 else None
+    # Every 10 ms costs a rank ~5% of a core (psutil), which the timed runs
+    # leave to training: 50 ms there, 10 ms in the memory worlds.
+    with RssSampler(cfg.get("rss_interval", 0.01)) as sampler:
+        cpu = ThreadCpu(bench_threads=[sampler._thread])
+        run = training_loop(model, optim, batch, saver, cfg["steps"], cfg["every"], cpu, machine)
+        phases = cpu.stop()
+        if machine is not None:
+            machine.mark(None)
     return {
         "rank": rank, "state_bytes": state_bytes, "clone_seconds": clone_seconds,
         "rss_start": rss_start, "rss_before_loop": rss_before_loop, "rss_peak": sampler.peak,
         "rss_samples": sampler.samples, "torch_threads": torch.get_num_threads(), **run,
+        "cpu": {name: {"by_role": p.by_role, "process": p.process, "wall": p.wall} for name, p in phases.items()},
+        "threads": cpu.threads(),
+        "machine_cpu": machine.phases if machine is not None else None,
     }
 
 
@@ -400,14 +507,25 @@ def run_all(args: argparse.Namespace, width: int, workdir: Path) -> list[dict[st
     worlds = []
     for round_no, system, kind, memory in runs:
         name = f"{system}-{kind}-{'mem' if memory else f'r{round_no}'}"
+        loadavg = [round(x, 2) for x in os.getloadavg()]
         with storage(kind, workdir, name) as (root, options), environment(MEMORY_ENV if memory else {}):
             cfg = {"system": system, "root": root, "options": options, "width": width, "layers": args.layers,
-                   "steps": args.memory_steps if memory else args.steps, "every": args.every}
+                   "steps": args.memory_steps if memory else args.steps, "every": args.every,
+                   "server_pid": _server_pid() if kind == "s3" else None, "rss_interval": 0.01 if memory else 0.05}
             ranks = run_world(2, train_world, cfg, timeout=args.world_timeout,
                               collective_timeout=args.world_timeout)
-        worlds.append({"round": round_no, "system": system, "kind": kind, "memory": memory, "ranks": ranks})
+        worlds.append({"round": round_no, "system": system, "kind": kind, "memory": memory, "ranks": ranks,
+                       "loadavg": loadavg})
         print(_progress_line(worlds[-1]), flush=True)
     return worlds
+
+
+def _server_pid() -> int | None:
+    """The pid of the SeaweedFS server this process started for the current run."""
+    import psutil
+
+    servers = [p for p in psutil.Process().children(recursive=True) if p.name() == "weed"]
+    return servers[-1].pid if servers else None
 
 
 def _progress_line(world: dict[str, Any]) -> str:
@@ -415,10 +533,17 @@ def _progress_line(world: dict[str, Any]) -> str:
     blocked = ", ".join(f"{s['blocked'] * 1e3:.0f}" for s in saves)
     mutable = ", ".join(f"{s['until_mutable'] * 1e3:.0f}" for s in saves)
     r0 = world["ranks"][0]
+    cpu = world_cpu(world)
+    roles = ", ".join(f"{role} {sec:.2f}" for role, sec in sorted(cpu["checkpoint_roles"].items(), key=lambda kv: -kv[1])
+                      if sec >= 0.01)
     return (f"  {'memory ' if world['memory'] else ''}round {world['round']} {world['system']:22s} {world['kind']:5s} wall {r0['wall']:.2f}s "
             f"drain {r0['drain']:.2f}s clone {max(r['clone_seconds'] for r in world['ranks']) * 1e3:.0f} ms; "
             f"blocked ms [{blocked}] until mutable ms [{mutable}]; peak RSS MiB "
-            f"{[round(r['rss_peak'] / MiB) for r in world['ranks']]}")
+            f"{[round(r['rss_peak'] / MiB) for r in world['ranks']]}\n"
+            f"    cpu: checkpoint {cpu['checkpoint_steps']:.2f}s in steps + {cpu['checkpoint_drain']:.2f}s in drain "
+            f"[{roles}]; training threads {cpu['training_steps']:.2f}s; compute {cpu['compute']:.2f}s; "
+            f"server {cpu['server_steps']:.2f}s; others on the machine {cpu['others_steps']:.2f}s; "
+            f"load {world.get('loadavg')}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,10 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=16, help="Linear layers of the model")
     parser.add_argument("--steps", type=int, default=50, help="training steps per run")
     parser.add_argument("--every", type=int, default=10, help="save after every N-th step")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds (every system once per round)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (every system once per round)")
     parser.add_argument("--only", choices=["local", "s3"], help="one storage kind only")
     parser.add_argument("--seed", type=int, default=1, help="seed of the run order")
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                         help="comma-separated systems of the timed worlds (of: " + ", ".join(SYSTEMS) + ")")
     parser.add_argument("--memory-steps", type=int, default=30,
                         help="steps of each memory world (0: no memory worlds)")
@@ -439,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="scratch directory for local checkpoints and SeaweedFS data (None: a new one in /tmp)")
     parser.add_argument("--world-timeout", type=float, default=3600.0, help="seconds before a world is killed")
     parser.add_argument("--no-readme", action="store_true", help="do not render into bench/README.md")
+    parser.add_argument("--out", default=None,
+                        help="results JSON here instead of bench/results/blocking-<date>.json (implies --no-readme)")
     args = parser.parse_args(argv)
     args.kinds = [args.only] if args.only else ["local", "s3"]
     args.systems = [name.strip() for name in args.systems.split(",") if name.strip()]
@@ -469,206 +596,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     record["runtime_seconds"] = time.monotonic() - started
     record["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    publish(record, "blocking", render(record), readme=not args.no_readme)
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1))
+        print(render(record))
+        print(f"results written to {args.out}")
+    else:
+        publish(record, "blocking", render(record), readme=not args.no_readme)
     return 0
-
-
-# -- summary and markdown ------------------------------------------------------------
-
-
-def per_save(world: dict[str, Any]) -> list[dict[str, Any]]:
-    """The world's saves, each with its slower rank's times (seconds), and
-    ``until_mutable`` = blocked + wait for staging."""
-    ranks = world["ranks"]
-    out = []
-    for i, first in enumerate(ranks[0]["saves"]):
-        records = [r["saves"][i] for r in ranks]
-        out.append({
-            "index": i, "tag": first["tag"], "followed_by_step": first["followed_by_step"],
-            **{key: max(rec[key] for rec in records)
-               for key in ("blocked", "wait_staging", "wait_upload", "staging_done_after")},
-            "until_mutable": max(rec["blocked"] + rec["wait_staging"] for rec in records),
-        })
-    return out
-
-
-def summarize(worlds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per (system, storage) of ``worlds``: medians (seconds) over the steady-state
-    saves, the first saves, wall times and peak RSS; plus the clone reference and state size."""
-    med = statistics.median
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for world in worlds:
-        row = rows.setdefault((world["system"], world["kind"]), {"saves": [], "first": [], "wall": [],
-                                                                 "drain": [], "rss": []})
-        saves = per_save(world)
-        row["first"] += saves[:1]
-        row["saves"] += saves[1:]
-        row["wall"].append(max(r["wall"] for r in world["ranks"]))
-        row["drain"].append(max(r["drain"] for r in world["ranks"]))
-        row["rss"].append([(r["rss_peak"], r["rss_start"]) for r in world["ranks"]])
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for key, row in rows.items():
-        steady, mutable = row["saves"], [s for s in row["saves"] if s["followed_by_step"]]
-        pick = lambda saves, field: med([s[field] for s in saves]) if saves else None  # noqa: E731
-        out[key] = {
-            "n": len(steady), "n_mutable": len(mutable),
-            **{field: pick(steady, field) for field in ("blocked", "wait_upload", "staging_done_after")},
-            "wait_staging": pick(mutable, "wait_staging"), "until_mutable": pick(mutable, "until_mutable"),
-            "first_blocked": pick(row["first"], "blocked"), "first_until_mutable": pick(row["first"], "until_mutable"),
-            "wall": med(row["wall"]), "drain": med(row["drain"]),
-            "rss_peak": [max(w[k][0] for w in row["rss"]) for k in range(2)],
-            "rss_start": [max(w[k][1] for w in row["rss"]) for k in range(2)],
-        }
-    ranks = [r for w in worlds for r in w["ranks"]]
-    return {
-        "rows": out,
-        "clone": med([max(r["clone_seconds"] for r in w["ranks"]) for w in worlds]),
-        "state_bytes": max(r["state_bytes"] for r in ranks),
-        "torch_threads": sorted({r["torch_threads"] for r in ranks}),
-    }
-
-
-def _ms(seconds: float | None) -> str:
-    return "–" if seconds is None else f"{seconds * 1e3:,.0f}"
-
-
-def targets(summary: dict[str, Any], kinds: list[str], memory: dict[str, Any] | None = None,
-            ) -> list[tuple[str, str, str, bool]]:
-    """(target, measured, threshold, met) rows, per storage kind; peak RSS from
-    the ``memory`` worlds' summary when there is one."""
-    rows = summary["rows"]
-    state = summary["state_bytes"]
-    out = []
-    for kind in kinds:
-        bg = rows.get(("dcp_ext_background", kind))
-        if bg is None or bg["blocked"] is None:  # no steady-state save (a run of a single save)
-            continue
-        per_gib = bg["blocked"] * 1e3 / (state / GiB)
-        out.append((f"{kind}: background staging, blocked per save per GiB of state per rank",
-                    f"{per_gib:.1f} ms/GiB ({_ms(bg['blocked'])} ms / {state / GiB:.3f} GiB)", "≤ 20 ms/GiB",
-                    per_gib <= 20))
-        stager = rows.get(("torch_default_stager", kind))
-        if stager is not None and stager["blocked"] is not None:
-            ratio = bg["blocked"] / stager["blocked"]
-            out.append((f"{kind}: background staging blocked / torch DefaultStager blocked",
-                        f"{ratio:.2f}× ({_ms(bg['blocked'])} / {_ms(stager['blocked'])} ms)", "≤ 1.0×", ratio <= 1.0))
-        if bg["until_mutable"] is not None:
-            ratio = bg["until_mutable"] / summary["clone"]
-            out.append((f"{kind}: background staging until mutable / plain clone() of the state",
-                        f"{ratio:.2f}× ({_ms(bg['until_mutable'])} / {_ms(summary['clone'])} ms)", "≤ 0.5×",
-                        ratio <= 0.5))
-        copy, torch_fs = rows.get(("dcp_ext_async_copy", kind)), rows.get(("torch_fs_async", kind))
-        if copy is not None and torch_fs is not None and None not in (copy["blocked"], torch_fs["blocked"]):
-            ratio = copy["blocked"] / torch_fs["blocked"]
-            out.append((f"{kind}: `dcp.async_save` blocked, CheckpointWriter / torch's "
-                        f"{'FileSystemWriter' if kind == 'local' else 'FsspecWriter'}",
-                        f"{ratio:.2f}× ({_ms(copy['blocked'])} / {_ms(torch_fs['blocked'])} ms)", "≤ 1.0×",
-                        ratio <= 1.0))
-        source = memory["rows"] if memory else rows
-        if ("dcp_ext_background", kind) in source:
-            out += rss_targets(kind, source[("dcp_ext_background", kind)], source.get(("none", "-")), state,
-                               "memory runs" if memory else "timed runs")
-    return out
-
-
-def rss_targets(kind: str, bg: dict[str, Any], none: dict[str, Any] | None, state: int, where: str,
-                ) -> list[tuple[str, str, str, bool]]:
-    """Peak RSS of the background-staging runs against 2 × state + 256 MiB per rank: as
-    measured, above the RSS before the model existed, and (a reading of the target)
-    what checkpointing adds to the no-checkpoint runs' peak, against state + 256 MiB."""
-    budget = 2 * state + 256 * MiB
-    both = lambda values: " / ".join(f"{v / MiB:,.0f}" for v in values) + " MiB"  # noqa: E731
-    label = f"{kind}: background staging, peak RSS rank 0 / 1 ({where})"
-    above = [peak - start for peak, start in zip(bg["rss_peak"], bg["rss_start"])]
-    out = [(label, both(bg["rss_peak"]), f"≤ {budget / MiB:,.0f} MiB (2 × state + 256 MiB)",
-            max(bg["rss_peak"]) <= budget),
-           (f"{label}, above the RSS before the model (Python, torch, gloo)", both(above),
-            f"≤ {budget / MiB:,.0f} MiB", max(above) <= budget)]
-    if none is not None:
-        added = [peak - base for peak, base in zip(bg["rss_peak"], none["rss_peak"])]
-        out.append((f"{label}, above the no-checkpoint runs' peak (what checkpointing adds)", both(added),
-                    f"≤ {(state + 256 * MiB) / MiB:,.0f} MiB (state + 256 MiB: the state itself is in both)",
-                    max(added) <= state + 256 * MiB))
-    return out
-
-
-def memory_table(memory: dict[str, Any], p: dict[str, Any], state: int) -> list[str]:
-    """Markdown lines: peak RSS of the memory worlds (``MALLOC_MMAP_THRESHOLD_``)."""
-    rows = memory["rows"]
-    none = rows.get(("none", "-"))
-    env = " ".join(f"{k}={v}" for k, v in p.get("memory_env", MEMORY_ENV).items())
-    lines = ["", f"#### Peak RSS with `{env}` ({p['memory_steps']} steps, a save every {p['every']})", "",
-             "Freed memory goes back to the system at once, so RSS is what is live: the state "
-             f"({state / MiB:,.0f} MiB per rank), gradients, FSDP's all-gathered layers, the runtime, and what "
-             "checkpointing holds (staging buffers, upload buffers).", "",
-             "| system | storage | peak RSS rank 0 / 1 (MiB) | above the no-checkpoint run's peak (MiB) |",
-             "|---|---|---:|---:|"]
-    for (system, kind), row in sorted(rows.items(), key=lambda item: (MEMORY_SYSTEMS.index(item[0][0]), item[0][1])):
-        added = "–" if none is None or system == "none" else " / ".join(
-            f"{(peak - base) / MiB:,.0f}" for peak, base in zip(row["rss_peak"], none["rss_peak"]))
-        lines.append(f"| {SYSTEMS[system]} | {kind} | "
-                     f"{row['rss_peak'][0] / MiB:,.0f} / {row['rss_peak'][1] / MiB:,.0f} | {added} |")
-    return lines
-
-
-def render(record: dict[str, Any]) -> str:
-    """Markdown: the conditions, one table per storage kind, the targets."""
-    summary = summarize([w for w in record["worlds"] if not w.get("memory")])
-    memory_worlds = [w for w in record["worlds"] if w.get("memory")]
-    memory = summarize(memory_worlds) if memory_worlds else None
-    p, m = record["params"], record["machine"]
-    rows = summary["rows"]
-    state = summary["state_bytes"]
-    none = rows.get(("none", "-"))
-    lines = [
-        f"Run of {record['date']} on `{m['machine_id']}`: {m['cpu_count']} × {m['cpu_model']}, "
-        f"{m['ram_gib']:.1f} GiB RAM; torch {m['versions'].get('torch')}, dcp_ext {m['versions'].get('dcp_ext')} "
-        f"(commit `{m['git_commit'][:12]}`{', dirty tree' if m['git_dirty'] else ''}); load average at start/end "
-        f"{m['loadavg_start']} / {record['loadavg_end']}; run time {record['runtime_seconds'] / 60:.1f} min.",
-        "",
-        f"2 ranks, FSDP2 on CPU (gloo), {p['layers']} × Linear({p['width']}, {p['width']}) + Adam, batch {p['batch']}: "
-        f"state (fp32 params + 2 moments) {state / MiB:,.0f} MiB per rank, {2 * state / GiB:.2f} GiB in all; "
-        f"{p['steps']} steps, a save every {p['every']} steps; {p['repeats']} round(s), every system in a fresh "
-        f"world, seeded shuffled order; torch intra-op threads per rank: {summary['torch_threads']}. Reference: a plain `clone()` of every local tensor of the state takes "
-        f"**{_ms(summary['clone'])} ms** (median over worlds, slower rank).",
-        "",
-        f"Command: `{record['command']}`",
-        "",
-        "Times per save in ms, the slower rank's; median over saves 2..n of every run (first save apart). "
-        "*Until mutable* = blocked + wait for staging before the next `optimizer.step()` (saves followed by a step "
-        "only); *staging done after*: from the call until the staging future resolved (overlapping the "
-        "forward/backward); *wall*: the steps, every wait included, vs the same steps without checkpoints; "
-        "*drain*: after the loop, until the last upload is done.",
-    ]
-    for kind in p["kinds"]:
-        title = ("Local disk" + f" (`{m.get('workdir_device', '?')}`)") if kind == "local" else \
-            "S3: SeaweedFS on 127.0.0.1 (torch systems through `FsspecWriter` + s3fs)"
-        lines += ["", f"#### {title}", "",
-                  "| system | saves | blocked | first save: blocked / until mutable | wait for staging | until mutable "
-                  "| staging done after | wait for previous upload | wall (s) | vs no checkpoint | drain (s) "
-                  "| peak RSS rank 0 / 1 (MiB) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        if none is not None:
-            lines.append(f"| {SYSTEMS['none']} | – | – | – | – | – | – | – | {none['wall']:.2f} | 1.00× | – | "
-                         f"{none['rss_peak'][0] / MiB:,.0f} / {none['rss_peak'][1] / MiB:,.0f} |")
-        for system in CHECKPOINTING:
-            row = rows.get((system, kind))
-            if row is None:
-                continue
-            vs = f"{row['wall'] / none['wall']:.2f}×" if none else "–"
-            lines.append(
-                f"| {SYSTEMS[system]} | {row['n']} | **{_ms(row['blocked'])}** | "
-                f"{_ms(row['first_blocked'])} / {_ms(row['first_until_mutable'])} | "
-                f"{_ms(row['wait_staging'])} | **{_ms(row['until_mutable'])}** | {_ms(row['staging_done_after'])} | "
-                f"{_ms(row['wait_upload'])} | {row['wall']:.2f} | {vs} | {row['drain']:.2f} | "
-                f"{row['rss_peak'][0] / MiB:,.0f} / {row['rss_peak'][1] / MiB:,.0f} |")
-    if memory is not None:
-        lines += memory_table(memory, p, state)
-    lines += ["", "#### Targets (same run)", "", "| target | measured | threshold | met |", "|---|---|---|---|"]
-    lines += [f"| {t} | {v} | {th} | {'✅' if ok else '❌'} |" for t, v, th, ok in targets(summary, p["kinds"], memory)]
-    start = max(r for row in rows.values() for r in row["rss_start"])
-    lines += ["", f"RSS before the model existed (Python, torch, gloo; highest rank and run): {start / MiB:,.0f} MiB."]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,12 @@ When to change them:
   others at one step before the survivors raise ``RankFailedError`` naming
   the ranks and hosts that did not come (600 s). Set it above the longest a
   rank may take to write or read its share; lower it to fail over sooner.
+* ``background_cpu_share``: how much of a busy core an asynchronous save's
+  background threads (staging copy, upload, writes, encoding) may take from
+  training (Linux: a nice value per thread; idle cores they use in full).
+  Lower it when training is CPU-bound and the save has time to spare before
+  the next one; raise it (``1.0``: training's priority) when the next save
+  waits for the previous upload. See the tuning guide for the measurements.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ _SECONDS_FIELDS = frozenset({
     "s3_connect_timeout", "s3_read_timeout", "s3_request_deadline",
     "heartbeat_interval", "heartbeat_timeout", "clock_skew_tolerance", "collective_timeout",
 })
+_FRACTION_FIELDS = frozenset({"background_cpu_share"})
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -109,6 +116,13 @@ def _parse_seconds(raw: str, variable: str) -> float:
         raise ValueError(f"{variable}={raw!r} is not a number of seconds") from err
 
 
+def _parse_fraction(raw: str, variable: str) -> float:
+    try:
+        return float(raw)
+    except ValueError as err:
+        raise ValueError(f"{variable}={raw!r} is not a number between 0 and 1") from err
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Bounded exponential backoff with full jitter for transient storage errors.
@@ -128,6 +142,11 @@ class RetryPolicy:
     max_delay: float = 4.0
 
     def __post_init__(self) -> None:
+        """Check the fields.
+
+        Raises:
+            ValueError: ``max_attempts`` is below 1 or a delay is negative.
+        """
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.base_delay < 0 or self.max_delay < 0:
@@ -215,6 +234,16 @@ class IOConfig:
             default group (a caller's ``process_group`` keeps its own
             timeout); the same on every rank. Environment:
             ``DCP_EXT_COLLECTIVE_TIMEOUT``.
+        background_cpu_share: The share of a core, in ``(0, 1]``, that the
+            threads of an asynchronous save with background staging
+            (:class:`~dcp_ext.Stager`: its copy threads, and DCP's upload
+            thread with the writer, encoder and S3 threads it starts) get
+            while training keeps that core busy. On Linux it sets their nice
+            value (CFS weight ``w / (w + 1024)``: ``0.25`` is nice +5,
+            ``0.1`` nice +10, ``1.0`` training's own priority); CPU that
+            training leaves idle they use in full, so the save is not slower
+            on an idle machine. Synchronous saves and loads run at the
+            caller's priority. Environment: ``DCP_EXT_BACKGROUND_CPU_SHARE``.
     """
 
     part_size: int = 16 * _MIB
@@ -237,8 +266,16 @@ class IOConfig:
     heartbeat_timeout: float = 180.0
     clock_skew_tolerance: float = 60.0
     collective_timeout: float = 600.0
+    background_cpu_share: float = 0.25
 
     def __post_init__(self) -> None:
+        """Check every field's range and the relations between them.
+
+        Raises:
+            ValueError: A field out of its range (the message names it), a ``heartbeat_timeout`` below
+                three ``heartbeat_interval``, or an ``s3_request_deadline`` shorter than one attempt
+                (``s3_connect_timeout + s3_read_timeout``).
+        """
         if self.part_size < 5 * _MIB:
             raise ValueError(
                 f"part_size must be >= 5 MiB (S3's minimum part), got {self.part_size}"
@@ -278,6 +315,9 @@ class IOConfig:
                 f"heartbeat_timeout ({self.heartbeat_timeout:g} s) must be at least three heartbeat intervals "
                 f"({3 * self.heartbeat_interval:g} s): one late renewal must not make a live save look dead"
             )
+        share = self.background_cpu_share
+        if not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"background_cpu_share must be a number in (0, 1], got {share!r}")
         if self.s3_request_deadline < self.s3_connect_timeout + self.s3_read_timeout:
             raise ValueError(
                 f"s3_request_deadline ({self.s3_request_deadline:g} s) must leave room for one attempt: at least "
@@ -303,6 +343,8 @@ class IOConfig:
                 values[field.name] = parse_size(raw)
             elif field.name in _SECONDS_FIELDS:
                 values[field.name] = _parse_seconds(raw, f"DCP_EXT_{field.name.upper()}")
+            elif field.name in _FRACTION_FIELDS:
+                values[field.name] = _parse_fraction(raw, f"DCP_EXT_{field.name.upper()}")
             elif field.name in ("fsync", "verify_checksums"):
                 values[field.name] = raw.strip().lower() not in ("0", "false", "no", "off")
             else:

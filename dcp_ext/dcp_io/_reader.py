@@ -153,12 +153,20 @@ class CheckpointReader(StorageReader):
                 f"extension_registry must be a torch ExtensionRegistry, got {type(extension_registry).__name__}"
             )
         self.extension_registry = extension_registry
+        """torch's ``ExtensionRegistry`` for checkpoints written with stream extensions
+        (``None``: torch's default)."""
         self.read_once = read_once
+        """Whether ranks that need the same stored bytes read them once and share them (``None``:
+        automatic)."""
         self.shared_memory = shared_memory
+        """Whether ranks on one host exchange read-once data through ``/dev/shm`` files."""
         self.process_group = process_group
+        """The group ``dcp.load`` runs on (``None``: the default group); read-once exchanges use
+        it."""
         #: This rank's phases in dcp_ext's own load calls (:mod:`dcp_ext.dcp_io._watched`), else ``None``.
         self.rank_watch: Any = None
         self.exchange_timeout = exchange_timeout
+        """Seconds a rank waits for one batch of the read-once exchange."""
         overrides = {
             "verify_checksums": verify_checksums,
             "max_concurrency": max_concurrency,
@@ -169,11 +177,15 @@ class CheckpointReader(StorageReader):
             config = path.config if isinstance(path, Location) else IOConfig.from_env()
         config = config.with_overrides(**overrides)
         self.config = config
+        """The I/O tunables this reader reads with."""
         location = Location.of(path, storage_options).with_config(config)
         self.storage_options = location.storage_options
+        """The store's options."""
         self._files = CheckpointFiles(location, store)
         self._reads = ItemReads(self._files, config, extension_registry)
         self.load_id = uuid.uuid4().hex
+        """A random id of the current load, new at every ``reset``; ``read_metadata`` sets it as
+        ``storage_meta.load_id`` of the metadata it returns (every rank)."""
         self._frame_indexes: dict[str, FrameIndexRef] = {}
         #: An incremental save's section of the metadata (version 4), else ``None``.
         self.incremental: IncrementalSection | None = None
@@ -190,6 +202,8 @@ class CheckpointReader(StorageReader):
         self._metadata_seen: tuple[str, int] | None = None
         self._gc_lease: GcLease | None = None
         self.last_exchange: Exchange | None = None
+        """The read-once exchange of this rank's last ``read_data`` (``None`` when it read
+        everything itself); tests read its plan."""
 
     @property
     def path(self) -> str:
@@ -203,6 +217,7 @@ class CheckpointReader(StorageReader):
 
     @property
     def checkpoint_id(self) -> str:
+        """The checkpoint directory's URL, as DCP's ``checkpoint_id`` (the same as :attr:`path`)."""
         return self.path
 
     @property
@@ -446,4 +461,9 @@ class CheckpointReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether DCP may pass ``checkpoint_id`` to this reader: any path or URL string (or
+        path-like).
+
+        DCP calls it to pick a storage reader when none is given.
+        """
         return isinstance(checkpoint_id, (str, os.PathLike))

@@ -188,14 +188,14 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.location = Location.of(path, storage_options).with_config(config)
         self.config = config
         self.overwrite = overwrite
-        self.save_id = uuid.uuid4().hex
-        self.is_coordinator = True
-        self.rank = 0
+        self.save_id = uuid.uuid4().hex  #: This save's random id (new at each ``reset``; names its lock).
+        self.is_coordinator = True  #: Whether this rank is DCP's coordinator (``set_up_storage_writer``).
+        self.rank = 0  #: This rank in the save's process group (``set_up_storage_writer``).
         self._store: Store | None = None
         self._written: list[str] = []
         self.before_commit = before_commit
         self.after_commit = after_commit
-        self.codec = resolve_codec(compression)
+        self.codec = resolve_codec(compression)  #: The codec of ``compression`` (``None``: raw bytes).
         self._lock: SaveLock | None = None
         # (root store, marker name): strays marker of an overwrite, until its old files are gone.
         self._strays: tuple[Store, str] | None = None
@@ -233,8 +233,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         return self.path
 
     def __getstate__(self) -> dict[str, Any]:
-        # Open stores hold clients, sockets and thread pools; a copy in another
-        # process (process-based uploads) opens its own.
+        """Pickled without its store, lock and rank watch: an open store holds clients, sockets and
+        thread pools; a copy in another process (process-based uploads) opens its own."""
         state = dict(self.__dict__)
         state.update(_store=None, _lock=None, _strays=None, rank_watch=None)
         return state

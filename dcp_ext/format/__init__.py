@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ._codecs import Codec, ZstdCodec, check_descriptors, decode_frame, resolve_codec
+from ._auto import AutoCodec, WriteRates, encode_rates, resolve_codec, write_rates
+from ._codecs import Codec, ZstdCodec, check_descriptors, decode_frame
 from ._safetensors import (
     MAX_HEADER,
     SafetensorsHeader,
@@ -32,6 +33,7 @@ __all__ = [
     "PARSE_ERRORS",
     "parse_stored_json",
     "ARCHIVE_SLACK",
+    "AutoCodec",
     "Codec",
     "DTYPES",
     "Envelope",
@@ -39,6 +41,7 @@ __all__ = [
     "SafetensorsHeader",
     "UnsafeUserContentError",
     "UnsupportedValueError",
+    "WriteRates",
     "ZstdCodec",
     "HoleRecorder",
     "build_header",
@@ -49,6 +52,7 @@ __all__ = [
     "decode_user_content",
     "dtype_from_name",
     "dtype_name",
+    "encode_rates",
     "encode_tree",
     "encode_user_content",
     "header_prefix",
@@ -58,4 +62,5 @@ __all__ = [
     "stream_extensions",
     "tensor_bytes",
     "torch_save_envelope",
+    "write_rates",
 ]

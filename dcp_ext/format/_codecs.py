@@ -43,7 +43,6 @@ from ..errors import UnsupportedCodecError
 __all__ = [
     "Codec",
     "ZstdCodec",
-    "resolve_codec",
     "encode_frame",
     "decode_frame",
     "check_descriptors",
@@ -96,12 +95,21 @@ class ZstdCodec:
     level: int = 1
     byte_grouping: bool = True
     name: str = "zstd"
+    """The codec's name for messages and ``dcp-ext inspect``."""
 
     def __post_init__(self) -> None:
+        """Check the level.
+
+        Raises:
+            ValueError: ``level`` is not an integer from -7 to 22.
+        """
         if not isinstance(self.level, int) or not -7 <= self.level <= 22:
             raise ValueError(f"zstd level must be an integer in [-7, 22], got {self.level!r}")
 
     def transforms(self, dtype: torch.dtype | None) -> tuple[str, ...]:
+        """The transform descriptors for a chunk of ``dtype`` (``None``: bytes): byte grouping
+        then zstd per byte plane for floating-point dtypes when ``byte_grouping`` is on, else
+        plain zstd."""
         if self.byte_grouping and dtype in GROUPED_DTYPES:
             assert dtype is not None
             size = dtype.itemsize
@@ -109,38 +117,13 @@ class ZstdCodec:
         return (_ZSTD,)
 
     def encode(self, transforms: tuple[str, ...], frame: memoryview) -> bytes:
+        """Encode one frame of raw bytes with ``transforms`` at this codec's ``level``."""
         return encode_frame(transforms, frame, self.level)
 
 
-def resolve_codec(compression: object) -> Codec | None:
-    """The codec for a writer's ``compression=`` argument.
-
-    Args:
-        compression: ``None`` (store raw bytes), ``"zstd"``, or a :class:`Codec`
-            such as ``ZstdCodec(level=1)``.
-
-    Raises:
-        UnsupportedCodecError: Anything else, or zstandard is not installed.
-    """
-    if compression is None or compression is False:
-        return None
-    if isinstance(compression, str):
-        if compression.lower() != "zstd":
-            raise UnsupportedCodecError(
-                f"unknown compression {compression!r}; use None, 'zstd' or a codec object "
-                f"such as dcp_ext.ZstdCodec(level=1)"
-            )
-        compression = ZstdCodec()
-    if not isinstance(compression, Codec):
-        raise UnsupportedCodecError(
-            f"compression must be None, 'zstd' or a codec object, got {type(compression).__name__}"
-        )
-    _zstd_module()
-    return compression
-
-
 # -- the transforms -----------------------------------------------------------------
-def _zstd_module() -> Any:
+def zstd_module() -> Any:
+    """The ``zstandard`` module (a clear error without it)."""
     try:
         import zstandard
     except ImportError as err:  # pragma: no cover - zstandard is a dependency
@@ -160,7 +143,7 @@ def _compressor(level: int) -> Any:
         cache = _local.compressors = {}
     ctx = cache.get(level)
     if ctx is None:
-        ctx = cache[level] = _zstd_module().ZstdCompressor(level=level, write_content_size=True)
+        ctx = cache[level] = zstd_module().ZstdCompressor(level=level, write_content_size=True)
     return ctx
 
 
@@ -178,7 +161,7 @@ def _plane_compressor(level: int) -> Any:
         cache = _local.compressors = {}
     ctx = cache.get("planes")
     if ctx is None:
-        zstd = _zstd_module()
+        zstd = zstd_module()
         params = zstd.ZstdCompressionParameters(
             window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7,
             target_length=0, strategy=zstd.STRATEGY_FAST, write_content_size=True,
@@ -190,7 +173,7 @@ def _plane_compressor(level: int) -> Any:
 def _decompressor() -> Any:
     ctx = getattr(_local, "decompressor", None)
     if ctx is None:
-        ctx = _local.decompressor = _zstd_module().ZstdDecompressor()
+        ctx = _local.decompressor = zstd_module().ZstdDecompressor()
     return ctx
 
 
@@ -228,7 +211,7 @@ def check_descriptors(transforms: Sequence[str], where: str) -> tuple[str, ...]:
                 f"checkpoint was written by a newer or different dcp_ext. Known: "
                 f"'zstd/1', 'bytegroup.K/1', 'zstd.planes.K/1' (K = 2, 4, 8)."
             )
-    _zstd_module()
+    zstd_module()
     return chain
 
 
@@ -306,7 +289,7 @@ def _decode_planes(stored: memoryview, size: int, raw_size: int) -> list[memoryv
 def _decompress(data: memoryview | bytes, expected: int) -> bytes:
     # Check the size the frame header claims before decompressing, so a
     # damaged or hostile header cannot make us allocate it.
-    claimed = _zstd_module().frame_content_size(data)
+    claimed = zstd_module().frame_content_size(data)
     if claimed != expected:
         raise ValueError(f"zstd frame header claims {claimed} bytes, expected {expected}")
     raw: bytes = _decompressor().decompress(data)

@@ -9,7 +9,7 @@ recorded, and their positions are the running sum.
 
 This module holds all work done per frame:
 
-* where frames are: :class:`FrameSpan`, :class:`FrameTable`;
+* where frames are: :class:`FrameSpan`, :class:`FrameTable` (in ``_table``);
 * writing: :class:`FrameEncoder` cuts a data file's items into frames,
   checksums them and (with a codec) compresses them on a thread pool;
 * reading: :class:`FrameReader` turns the raw byte runs a load needs into
@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 import torch
@@ -39,10 +39,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from .._runtime import crash_point
 from ..config import usable_cores
 from ..errors import CheckpointCorruptError, ChecksumMismatchError, DcpExtError
-from ..format import Codec, Envelope, check_descriptors, decode_frame
+from ..format import Codec, Envelope, decode_frame, encode_rates, torch_save_envelope, write_rates
 from ..metadata import StoredItem
 from ..storage import Piece
 from ._base_item import BaseItem
+from ._table import CHECKSUM, FrameSpan, FrameTable, checksum, frame_table
 
 __all__ = [
     "CHECKSUM",
@@ -61,104 +62,6 @@ __all__ = [
     "FrameReader",
     "ItemRead",
 ]
-
-CHECKSUM = "xxh3-64"
-
-
-def checksum(data: bytes | bytearray | memoryview) -> int:
-    """The checksum of stored bytes (xxh3-64 as an unsigned integer)."""
-    return int(xxhash.xxh3_64_intdigest(data))
-
-
-@dataclass(frozen=True, slots=True)
-class FrameSpan:
-    """One frame of a stored item.
-
-    Attributes:
-        index: Position of the frame in its item.
-        count: Frames in the item.
-        raw_start: Offset of its first raw byte within the item's raw data.
-        raw_length: Raw bytes it holds once decoded.
-        stored_offset: Absolute byte offset of its stored bytes in the file.
-        stored_length: Stored bytes.
-        checksum: Checksum of the stored bytes, or ``None`` (checkpoints
-            written before checksums existed).
-        file: The file holding the stored bytes: the item's own data file,
-            or (incremental saves) a reference to an earlier checkpoint's
-            (:func:`~dcp_ext.metadata.document.reference_name`).
-    """
-
-    index: int
-    count: int
-    raw_start: int
-    raw_length: int
-    stored_offset: int
-    stored_length: int
-    checksum: int | None
-    file: str = ""
-
-    @property
-    def raw_end(self) -> int:
-        return self.raw_start + self.raw_length
-
-
-class FrameTable:
-    """Where the frames of one stored item are, and which cover a raw range."""
-
-    __slots__ = ("item", "raw_size", "frame_size", "count", "_starts")
-
-    def __init__(self, item: StoredItem) -> None:
-        self.item = item
-        self.raw_size = item.raw_size
-        self.frame_size = item.frame_size or max(self.raw_size, 1)
-        if item.transforms:
-            self.count = len(item.frame_lengths)
-            self._starts: list[int] | None = [0, *accumulate(item.frame_lengths)]
-        else:
-            self.count = -(-self.raw_size // self.frame_size)
-            self._starts = None
-
-    def frame(self, k: int) -> FrameSpan:
-        """Frame ``k`` (0-based)."""
-        item = self.item
-        raw_start = k * self.frame_size
-        raw_length = min(self.frame_size, self.raw_size - raw_start)
-        if self._starts is None:
-            stored_length = raw_length
-            stored_start = raw_start
-        else:
-            stored_start = self._starts[k]
-            stored_length = self._starts[k + 1] - stored_start
-        crc = item.checksums[k] if item.checksums else None
-        if item.frame_offsets:  # incremental saves: each frame where it lies, maybe in an earlier save's file
-            source = item.frame_sources[k] if item.frame_sources else ""
-            return FrameSpan(k, self.count, raw_start, raw_length, item.frame_offsets[k], stored_length, crc,
-                             source or item.relative_path)
-        stored_offset = item.offset + item.data_offset + stored_start
-        return FrameSpan(k, self.count, raw_start, raw_length, stored_offset, stored_length, crc, item.relative_path)
-
-    def covering(self, raw_start: int, raw_end: int) -> range:
-        """Indices of the frames holding raw bytes ``[raw_start, raw_end)``."""
-        if raw_end <= raw_start:
-            return range(0)
-        return range(raw_start // self.frame_size, -(-raw_end // self.frame_size))
-
-    def __len__(self) -> int:
-        return self.count
-
-
-def frame_table(item: StoredItem, where: str) -> FrameTable:
-    """The frames of ``item``, after checking that its codec chain is known.
-
-    Raises:
-        UnsupportedCodecError: A transform this dcp_ext cannot decode.
-    """
-    if item.indexed:
-        raise RuntimeError(f"{where}: the frame index of this file was not read before its frames")
-    if item.transforms:
-        check_descriptors(item.transforms, where)
-    return FrameTable(item)
-
 
 # -- writing ------------------------------------------------------------------------
 
@@ -190,6 +93,13 @@ class FrameEncoder:
     :meth:`finish` for where each went. The crash point ``mid_data`` fires
     once the file's first item is written.
 
+    With an adaptive codec (``compression="auto"``,
+    :class:`~dcp_ext.format.AutoCodec`) each item is first asked whether it
+    pays to compress (a sample, this process's write speed to this kind of
+    store); an item that does not is written as without a codec (a tensor in
+    its ``torch.save`` envelope), after the frames queued before it. Every
+    write is timed for that speed (:data:`~dcp_ext.format.write_rates`).
+
     With ``hashing`` (incremental saves, :mod:`dcp_ext.incremental._save`) each
     frame's raw bytes are also hashed (xxh3-128) and every item records where
     each of its frames lies; a frame whose hash equals that of the same frame
@@ -216,6 +126,10 @@ class FrameEncoder:
         self._stored: list[StoredItem] = []
         self._threads = usable_cores()
         self._pool: ThreadPoolExecutor | None = None
+        # Writes timed for AutoCodec's write speed: the writer's class is the kind of store.
+        self._kind = type(out).__name__
+        self._timed_bytes = 0
+        self._timed_seconds = 0.0
         # Encoded frames in write order; ``None`` marks the end of an item.
         # Incremental saves' tasks also return the raw hash, and None for a frame the base holds.
         self._pending: deque[tuple[_OpenItem, Future[Any] | None]] = deque()
@@ -258,6 +172,11 @@ class FrameEncoder:
                 unchanged frames are referred to, not written.
         """
         codec, pool = self._codec, self._pool
+        if codec is not None and not self._compresses(codec, raw, dtype, base):
+            codec = None
+            self._drain(0)  # what was queued before this item goes first
+            if envelope is None and dtype is not None and isinstance(owner, torch.Tensor) and not self._hashing:
+                envelope = torch_save_envelope(dtype, tuple(owner.shape))  # as an uncompressed save writes it
         transforms = () if codec is None else codec.transforms(dtype)
         if base is not None and not base.matches(self._frame_size, transforms, raw.nbytes):
             base = None  # written differently (frame size, codec, shape): nothing lines up
@@ -286,7 +205,32 @@ class FrameEncoder:
     def finish(self) -> list[StoredItem]:
         """Write what is still being encoded; where each added item went, in order."""
         self._drain(0)
+        self._note_writes()
         return self._stored
+
+    def _compresses(self, codec: Codec, raw: memoryview, dtype: torch.dtype | None, base: BaseItem | None) -> bool:
+        """Whether this item is compressed: always with a fixed codec; with an
+        adaptive one, as its base was (incremental saves: so unchanged frames
+        line up), else as the codec chooses."""
+        choose = getattr(codec, "choose", None)
+        if choose is None:
+            return True
+        if base is not None:
+            return bool(base.transforms)
+        return bool(choose(dtype, raw, self._kind, self._threads))
+
+    def _write(self, data: bytes | bytearray | memoryview) -> None:
+        """``out.write``, timed (back-pressure included) for the write speed."""
+        began = time.perf_counter()
+        self._out.write(data)
+        self._timed_seconds += time.perf_counter() - began
+        self._timed_bytes += len(data) if not isinstance(data, memoryview) else data.nbytes
+        if self._timed_bytes >= 32 << 20:
+            self._note_writes()
+
+    def _note_writes(self) -> None:
+        write_rates.note(self._kind, self._timed_bytes, self._timed_seconds)
+        self._timed_bytes, self._timed_seconds = 0, 0.0
 
     def _add_raw(self, raw: memoryview, envelope: Envelope | None) -> None:
         out, frame_size = self._out, self._frame_size
@@ -298,7 +242,7 @@ class FrameEncoder:
         for pos in range(0, raw.nbytes, frame_size):
             frame = raw[pos : pos + frame_size]
             sums.append(checksum(frame))
-            out.write(frame)
+            self._write(frame)
         if envelope is not None:
             out.write(envelope.suffix)
         self._done(
@@ -330,7 +274,7 @@ class FrameEncoder:
             entry.sums.append(checksum(frame))
             entry.offsets.append(out.position)
             entry.sources.append("")
-            out.write(frame)
+            self._write(frame)
         entry.start = start
         self._close(entry)
 
@@ -354,7 +298,7 @@ class FrameEncoder:
                 continue
             if not self._hashing:
                 data, digest = task.result()
-                out.write(data)
+                self._write(data)
                 entry.lengths.append(len(data))
                 entry.sums.append(digest)
                 continue
@@ -367,7 +311,7 @@ class FrameEncoder:
                 continue
             entry.offsets.append(out.position)
             entry.sources.append("")
-            out.write(found)
+            self._write(found)
             entry.lengths.append(len(found))
             entry.sums.append(digest)
 
@@ -404,8 +348,11 @@ class FrameEncoder:
 
 
 def _encode(codec: Codec, transforms: tuple[str, ...], frame: memoryview) -> tuple[bytes, int]:
-    """One frame's stored bytes and their checksum (runs on the encoder's pool)."""
+    """One frame's stored bytes and their checksum (runs on the encoder's
+    pool); its encode speed counts in :data:`~dcp_ext.format.encode_rates`."""
+    began = time.thread_time()
     data = codec.encode(transforms, frame)
+    encode_rates.note(transforms, frame.nbytes, time.thread_time() - began)
     return data, checksum(data)
 
 

@@ -127,13 +127,16 @@ class DcpDefault:
                 _PATCH.remove()
 
     def __enter__(self) -> DcpDefault:
+        """The call itself: ``with dcp_ext.use_for_dcp(...):`` undoes it at the end of the block."""
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        """Undo this call (:meth:`off`), whether or not the block raised."""
         self.off()
 
     def __repr__(self) -> str:
+        """The call's compression, overwrite setting and whether it is active."""
         state = "active" if self.active else "off"
         return f"<dcp_ext.use_for_dcp compression={self.compression!r} overwrite={self.overwrite} ({state})>"
 

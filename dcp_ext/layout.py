@@ -77,13 +77,18 @@ __all__ = [
 ]
 
 NEWEST_FILE = "newest"
+"""The root's file naming the newest committed tag; written last, after the checkpoint's metadata."""
 PARTITION_FILE = "partition.json"
+"""A partial checkpoint's record of which rank wrote which data files (:class:`Partition`)."""
 USER_CONTENT_FILE = "user_content.safetensors"
+"""A partial checkpoint's file holding the ``user_content`` of the save (safetensors)."""
 PARTIAL_SUFFIX = "_partial"
+"""Appended to a tag to name its checkpoint's directory (``step100`` -> ``step100_partial``)."""
 #: The checksum sidecar of a full checkpoint file: ``step100.checksums.json``
 #: (:mod:`dcp_ext.full._checksums`).
 CHECKSUMS_SUFFIX = ".checksums.json"
 DATA_SUFFIX = ".distcp"
+"""The extension of data files (``model_rank3.distcp``), as torch's writers name them."""
 
 #: State-dict top-level key -> data file stem. Anything else goes to "state".
 KIND_FILES = {"model": "model", "optimizer": "optimizer"}
@@ -346,6 +351,7 @@ class MeshInfo:
     ranks: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        """Check that shape, names and ranks agree; ``ValueError`` if they do not."""
         size = 1
         for s in self.shape:
             size *= s
@@ -727,4 +733,6 @@ class TagInfo:
     """A committed partial checkpoint and when it committed (seconds since the epoch)."""
 
     tag: str
+    """The checkpoint's tag (``step100``; its directory is ``step100_partial``)."""
     committed_at: float
+    """When it committed, seconds since the epoch (``created`` in its metadata; 0.0 if unreadable)."""

@@ -50,6 +50,8 @@ class KeyList:
     function: Callable[[list[str]], Mapping[str, Union[str, None]]]
 
     def __call__(self, keys: list[str]) -> Mapping[str, Union[str, None]]:
+        """``function(keys)``: the new name of each key (``None``: skip it; absent: keep its
+        name)."""
         return self.function(keys)
 
 

@@ -121,6 +121,8 @@ class FullCheckpointReader(CheckpointReader):
         **io_options: Any,
     ) -> None:
         self.source = normalize_path(path)
+        """The full checkpoint as given (normalized): a safetensors or ``torch.save`` file, or a
+        Hugging Face folder."""
         self.key_map = key_map
         self.dequantize_fp8 = dequantize_fp8
         self.scales: dict[str, FP8Scale] = {}

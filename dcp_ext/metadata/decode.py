@@ -161,6 +161,8 @@ class IncrementalSection:
 
     @property
     def referenced_bytes(self) -> int:
+        """Stored bytes of earlier checkpoints' files that this checkpoint's frames refer to, in
+        all."""
         return sum(self.references.values())
 
     @property

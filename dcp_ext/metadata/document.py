@@ -89,9 +89,14 @@ __all__ = [
 ]
 
 METADATA_FILE = "dcp_ext.metadata.json"
+"""dcp_ext's metadata document in each checkpoint directory (JSON); the coordinator writes it
+after every rank's data is durable: its presence commits the checkpoint."""
 TORCH_METADATA_FILE = ".metadata"
+"""torch's pickled metadata file, written after dcp_ext's (the commit marker torch's tools look
+for)."""
 FORMAT = "dcp_ext"
 FORMAT_VERSION = 3
+"""The version of the metadata document saves write by default (``IOConfig.metadata_version``)."""
 #: Version 3 plus an ``incremental`` section (:mod:`dcp_ext.incremental._save`):
 #: written by incremental saves only, so older readers refuse them clearly.
 INCREMENTAL_VERSION = 4
@@ -101,6 +106,8 @@ DCP_VERSION = "1.0.0"
 # Largest frame a writer produces (IOConfig.frame_size's bound): a reader
 # never allocates more than this for one frame, whatever metadata claims.
 MAX_FRAME_SIZE = 256 * 1024 * 1024
+"""Largest frame a writer produces (``IOConfig.frame_size``'s bound): a reader never allocates
+more than this for one frame, whatever the metadata claims."""
 
 # The metadata's own checksum: the last field, over the document with it zeroed.
 _INTEGRITY_PLACEHOLDER = "xxh3-64:" + "0" * 16

@@ -70,6 +70,7 @@ class CompactReport:
 
     @property
     def changed(self) -> bool:
+        """Whether any data file was rewritten (``False`` for a checkpoint that refers to no other)."""
         return bool(self.rewritten)
 
 

@@ -43,12 +43,19 @@ class KeepLast(_Composable):
     """Keep the ``n`` most recently committed checkpoints."""
 
     n: int
+    """How many of the newest checkpoints to keep (at least 1)."""
 
     def __post_init__(self) -> None:
+        """Check ``n``.
+
+        Raises:
+            ValueError: ``n`` is not an integer of at least 1.
+        """
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"KeepLast needs n >= 1, got {self.n!r}")
 
     def keep(self, committed: Sequence[TagInfo]) -> set[str]:
+        """The ``n`` tags of ``committed`` that committed last (ties broken by tag)."""
         newest_first = sorted(committed, key=lambda t: (t.committed_at, t.tag), reverse=True)
         return {t.tag for t in newest_first[: self.n]}
 
@@ -62,12 +69,20 @@ class KeepEvery(_Composable):
     """
 
     steps: int
+    """The step interval (at least 1)."""
 
     def __post_init__(self) -> None:
+        """Check ``steps``.
+
+        Raises:
+            ValueError: ``steps`` is not an integer of at least 1.
+        """
         if not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"KeepEvery needs steps >= 1, got {self.steps!r}")
 
     def keep(self, committed: Sequence[TagInfo]) -> set[str]:
+        """The tags of ``committed`` whose step (the last run of digits) is a multiple of
+        ``steps``."""
         kept = set()
         for info in committed:
             digits = re.findall(r"\d+", info.tag)
@@ -81,14 +96,21 @@ class KeepMatching(_Composable):
     """Keep checkpoints whose whole tag matches the regular expression ``pattern``."""
 
     pattern: str
+    """A regular expression that a tag must match whole (``re.fullmatch``)."""
 
     def __post_init__(self) -> None:
+        """Check that ``pattern`` compiles.
+
+        Raises:
+            ValueError: ``pattern`` is not a valid regular expression.
+        """
         try:
             re.compile(self.pattern)
         except re.error as err:
             raise ValueError(f"KeepMatching: invalid pattern {self.pattern!r}: {err}") from err
 
     def keep(self, committed: Sequence[TagInfo]) -> set[str]:
+        """The tags of ``committed`` that ``pattern`` matches whole."""
         rule = re.compile(self.pattern)
         return {t.tag for t in committed if rule.fullmatch(t.tag)}
 
@@ -98,8 +120,10 @@ class KeepAny(_Composable):
     """Keep what any of ``policies`` keeps."""
 
     policies: tuple[RetentionPolicy, ...]
+    """The policies combined (``KeepLast(3) | KeepEvery(1000)`` builds one)."""
 
     def keep(self, committed: Sequence[TagInfo]) -> set[str]:
+        """The tags of ``committed`` that any of ``policies`` keeps."""
         kept: set[str] = set()
         for policy in self.policies:
             kept |= policy.keep(committed)

@@ -109,18 +109,25 @@ class CheckpointRoot:
         #: The root (URL, storage options, config).
         self.location = Location.of(root, storage_options, config)
         self.url = self.location.url
+        """The root's URL or path, normalized."""
         self.config = self.location.config
+        """The I/O tunables of every store this root opens."""
         self.storage_options = self.location.storage_options
+        """The store's options."""
         self.store = self.location.open()
+        """The store of the root directory itself (``newest``, the tag directories, leases)."""
         self._tags = TagDirectories(self.store, self.partial_store, self.partial_url)
         self._cleanup = LeftoverCleanup(self._tags)
 
     def __getstate__(self) -> dict[str, Any]:
+        """Pickle the location only: the open store holds clients and sockets, and a copy in
+        another process (a process-based upload's after-commit step) opens its own."""
         # The open store holds clients and sockets; a copy in another process
         # (a process-based upload's after-commit step) opens its own.
         return {"location": self.location}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """Open the root again from its pickled location."""
         self.__init__(state["location"])  # type: ignore[misc]
 
     def partial_url(self, tag: str) -> str:
@@ -132,6 +139,7 @@ class CheckpointRoot:
         return self.location.child(partial_dir(tag))
 
     def partial_store(self, tag: str) -> Store:
+        """The store of the partial checkpoint ``tag``'s directory (opened anew at each call)."""
         return self.partial_location(tag).open()
 
     def exists(self) -> bool:

@@ -57,6 +57,7 @@ class Problem:
     reason: str
 
     def __str__(self) -> str:
+        """``file bytes [start, end) (keys): reason``."""
         return f"{self.file} bytes [{self.start}, {self.end}) ({', '.join(self.keys)}): {self.reason}"
 
 
@@ -89,9 +90,11 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether no damage was found (``problems`` is empty)."""
         return not self.problems
 
     def __str__(self) -> str:
+        """A summary: what was checked, then one line per problem."""
         head = (
             f"{self.path}: {self.files} files, {self.frames} frames, "
             f"{self.bytes_checked} bytes checked"

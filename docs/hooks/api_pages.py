@@ -53,7 +53,7 @@ PAGES: tuple[Page, ...] = (
         "content, full checkpoints, tiers and incremental saves.",
         names=(
             "CheckpointManager", "ResumeResult", "save_checkpoint", "resume_from_checkpoint",
-            "close_checkpoints", "register_model", "registered_model",
+            "close_checkpoints", "register_model", "registered_model", "redistribute_dataloader",
         ),
     ),
     Page(
@@ -89,13 +89,15 @@ PAGES: tuple[Page, ...] = (
         "integrations",
         "Framework adapters",
         "`dcp_ext.integrations`: torchtitan's checkpoint manager, Lightning's `CheckpointIO` and "
-        "`ModelParallelStrategy`, and Accelerate's FSDP save/load functions, saving and loading "
+        "`ModelParallelStrategy`, Accelerate's FSDP save/load functions and `transformers.Trainer`, "
+        "saving and loading "
         "through dcp_ext. Each module imports its framework, so import the one you use; install "
-        "with the extra of the same name (`pip install 'dcp-ext[lightning]'`). See the "
+        "with the extra of the same name from a clone (`.venv/bin/pip install -e '.[lightning]'`; "
+        "dcp-ext is not on PyPI). See the "
         "[framework guide](../guides/integrations.md).",
         extra_modules=(
             "integrations.torchtitan", "integrations.lightning", "integrations.pytorch_lightning",
-            "integrations.accelerate",
+            "integrations.accelerate", "integrations.transformers",
         ),
     ),
     Page(
@@ -136,7 +138,7 @@ PAGES: tuple[Page, ...] = (
             "InvalidPathError", "InvalidOptionError", "InvalidTagError", "UnsafeUserContentError",
             "StoragePermissionError", "CredentialsError", "StorageError", "StorageFullError",
             "TransientStorageError", "StorageTimeoutError", "CheckpointKeyError", "ReshardError",
-            "ReadOnceExchangeError", "unwrap_checkpoint_exception",
+            "ReadOnceExchangeError", "RankStateMismatchError", "unwrap_checkpoint_exception",
         ),
     ),
     Page(

@@ -291,6 +291,8 @@ SUITES: tuple[Suite, ...] = (
           _q("blocking"), "benchmarks/blocking.md", _by_render("blocking")),
     Suite("tiers", "Tiered checkpoints", "python -m bench.tiers",
           _q("tiers"), "benchmarks/tiers.md", _by_render("tiers")),
+    Suite("cluster", "Many hosts", "python -m bench.cluster",
+          _q("cluster"), "benchmarks/cluster.md", _by_render("cluster")),
     Suite("incremental", "Incremental checkpoints", "python -m bench.incremental",
           _q("incremental"), "benchmarks/incremental.md", _by_render("incremental")),
     Suite("compression", "Compression and checksums", "python -m bench.compression",

@@ -136,6 +136,21 @@ def _throughput(run: Run, ctx: Context) -> str:
     return str(_module("report").render(run.record, chart=chart))
 
 
+def _object_store(page: str) -> Callable[[Run, Context], str]:
+    """A ``python -m bench --only gcs|az`` run: the same tables as the main throughput run."""
+    def render(run: Run, ctx: Context) -> str:
+        return str(_module("report").render(run.record, chart=ctx.chart(run, page)))
+
+    return render
+
+
+def _torture_plan_caching(run: Run, ctx: Context) -> str:
+    r = run.record
+    return (f"Run of {r['date']} (seed {r['seed']}, {r['seconds'] / 60:.1f} min): **{r['trials']} trials, "
+            f"{r['with_kill']} with a kill armed, {r['saves_logged']} saves logged, {r['committed']} committed and "
+            f"checked, {r['refusals']} refusals, {len(r['violations'])} violations**.\n")
+
+
 def _compression(run: Run, ctx: Context) -> str:
     chart = ctx.chart(run, "benchmarks/compression.md")
     text = str(_module("compression").render(run.record))
@@ -303,7 +318,7 @@ SUITES: tuple[Suite, ...] = (
           _q("finetune"), "benchmarks/finetune.md", _by_render("finetune")),
     Suite("hf-export", "Hugging Face export", "python -m bench.hf_export",
           _q("hf-export"), "benchmarks/hf-export.md", _by_render("hf_export")),
-    Suite("frameworks", "Framework saves: torchtitan and Lightning", "python -m bench.frameworks",
+    Suite("frameworks", "Framework saves: torchtitan, Lightning, Megatron-Core", "python -m bench.frameworks",
           _q("frameworks"), "benchmarks/frameworks.md", _frameworks),
     Suite("scale", "Scale: planning and metadata", "python -m bench.scale",
           _q("scale"), "benchmarks/scale.md", _scale),
@@ -318,6 +333,12 @@ SUITES: tuple[Suite, ...] = (
           _q("torture-incremental"), "benchmarks/trials.md", _torture),
     Suite("torture-concurrent", "Crash trials, a second process on the root", "python -m bench.torture --concurrent",
           _q("torture-concurrent"), "benchmarks/trials.md", _torture),
+    Suite("torture-plan-caching", "Crash trials, plan caching", "python -m bench.torture --plan-caching",
+          _q("torture-plan-caching"), "benchmarks/trials.md", _torture_plan_caching),
+    Suite("gcs", "Google Cloud Storage", "python -m bench --only gcs",
+          _q("gcs"), "benchmarks/cloud-stores.md", _object_store("benchmarks/cloud-stores.md")),
+    Suite("azure", "Azure Blob", "python -m bench --only az",
+          _q("azure"), "benchmarks/cloud-stores.md", _object_store("benchmarks/cloud-stores.md")),
     Suite("damage", "Damage trials", "python -m bench.damage",
           _q("damage"), "benchmarks/trials.md", _damage),
 )

@@ -43,6 +43,11 @@ Systems, each saving synchronously, as a training loop would:
   CUDA calls stubbed so that it runs on CPU; local disk only: it cannot write
   to ``s3://``) vs ``DcpExtSaveShardedStrategy`` (local) and
   ``dcp_ext.integrations.megatron.save`` (S3).
+* **torch_checkpointing 0.1.1** (:mod:`bench.frameworks_tc`): the same model
+  and moments as a ``CheckpointManager`` payload, saved synchronously with its
+  default local storage (local disk only) vs ``DcpExtStorageConfig`` (local,
+  and S3 with a commit marker); its S3 row is held against the stock local
+  one (the ceiling: the same disk the S3 server writes to).
 * **plain DCP** (no framework): the main table's own systems
   (``bench.harness.systems``: ``CheckpointWriter`` vs ``FileSystemWriter``
   thread_count=1 locally, vs ``FsspecWriter`` on S3) on the main table's
@@ -92,6 +97,7 @@ from typing import Any
 from bench.frameworks_megatron import MegatronSystem
 from bench.frameworks_report import PAIRS, main_table_ratios, newest_main_table, render, summarize
 from bench.frameworks_report import MAIN_TARGETS  # noqa: F401 - re-exported: the suite's constants stay importable from here
+from bench.frameworks_tc import TorchCheckpointingSystem
 from bench.harness.machine import machine_info
 from bench.harness.report import publish
 from bench.harness.storage import storage
@@ -513,7 +519,7 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
         print("  set up in " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()), flush=True)
     ctx = Ctx(rank, world_size, {"s3_concurrency": cfg["s3_concurrency"]}, cfg["workdir"], cfg["s3"])
 
-    def systems(kind: str) -> list[Any]:  # _System and MegatronSystem
+    def systems(kind: str) -> list[Any]:  # _System, MegatronSystem and TorchCheckpointingSystem
         root = os.path.join(cfg["workdir"], "local") if kind == "local" else cfg["s3_root"]
         opts = options if kind == "s3" else None
         found: list[Any] = [
@@ -529,6 +535,9 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
             # Megatron-Core (bench.frameworks_megatron): its own save writes local paths only.
             *([MegatronSystem(kind, root, job, stock=True, options=None)] if kind == "local" else []),
             MegatronSystem(kind, root, job, stock=False, options=opts),
+            # torch_checkpointing (bench.frameworks_tc): its own storage writes local paths only.
+            *([TorchCheckpointingSystem(kind, root, job, stock=True, options=None)] if kind == "local" else []),
+            TorchCheckpointingSystem(kind, root, job, stock=False, options=opts),
         ]
         return [s for s in found if s.name in cfg["systems"]]
 
@@ -559,6 +568,9 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
                 where = system.save(step)
                 seconds = _slowest(time.perf_counter() - start)
                 dist.barrier()
+                if hasattr(system, "after"):  # untimed: torch_checkpointing's rows load their first save back
+                    system.after(step, where)
+                    dist.barrier()
                 if rank == 0:
                     record["stored"][system.name], record["files"][system.name] = _stored(ctx, kind, where)
                     _remove(ctx, kind, where)
@@ -649,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     main_json = newest_main_table()
     record: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "command": command.strip(), "machine": machine_info(workdir),
-        "versions": {pkg: metadata.version(pkg) for pkg in ("torchtitan", "lightning", "megatron-core")},
+        "versions": {pkg: metadata.version(pkg)
+                     for pkg in ("torchtitan", "lightning", "megatron-core", "torch_checkpointing")},
         "params": {"size": size, "layers": args.layers, "rounds": rounds, "kinds": kinds,
                    "drop_caches": drop, "s3_concurrency": args.s3_concurrency},
         "main_table": main_table_ratios(main_json),

@@ -17,25 +17,28 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.frameworks_report import PAIRS
+from bench.frameworks_report import PAIRS, default_seconds
 
 
 def pooled(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (storage kind, dcp_ext system) present in every record."""
+    """One row per (storage kind, dcp_ext system) present in every record (a default that runs on one
+    kind only taken from that kind, as ``bench.frameworks_report.summarize`` does)."""
     med = statistics.median
     rows = []
     for kind in records[0]["kinds"]:
         for ours, default in PAIRS:
-            runs = [r["kinds"][kind]["seconds"] for r in records if kind in r["kinds"]]
-            if not all(ours in s and default in s for s in runs):
+            found = [(r["kinds"][kind]["seconds"].get(ours), default_seconds(r["kinds"], kind, default))
+                     for r in records if kind in r["kinds"]]
+            if not all(o and d for o, d in found):
                 continue
-            a = [x for s in runs for x in s[ours]]
-            b = [x for s in runs for x in s[default]]
+            runs = [(o, d[1]) for o, d in found]
+            a = [x for o, _ in runs for x in o]
+            b = [x for _, d in runs for x in d]
             rows.append({
-                "kind": kind, "ours": ours, "default": default, "n": len(a), "ours_s": med(a), "default_s": med(b),
-                "ratio": med(b) / med(a),
-                "paired": med(y / x for s in runs for x, y in zip(s[ours], s[default])),
-                "per_run": [med(s[default]) / med(s[ours]) for s in runs],
+                "kind": kind, "ours": ours, "default": default, "default_kind": found[0][1][0], "n": len(a),
+                "ours_s": med(a), "default_s": med(b), "ratio": med(b) / med(a),
+                "paired": med(y / x for o, d in runs for x, y in zip(o, d)),
+                "per_run": [med(d) / med(o) for o, d in runs],
             })
     return rows
 
@@ -49,7 +52,8 @@ def render(records: list[dict[str, Any]], names: list[str]) -> str:
     for row in pooled(records):
         ref = main.get(row["kind"], {}).get("2", {}).get("ratio")
         lines.append(
-            f"| {row['kind']} | {labels[row['kind'], row['ours']]} / {labels[row['kind'], row['default']]} | {row['n']} | "
+            f"| {row['kind']} | {labels[row['kind'], row['ours']]} / {labels[row['default_kind'], row['default']]}"
+            f"{'' if row['default_kind'] == row['kind'] else ' (' + row['default_kind'] + ')'} | {row['n']} | "
             f"{row['ours_s']:.2f} / {row['default_s']:.2f} | {row['ratio']:.2f}× [{row['paired']:.2f}] | "
             f"{', '.join(f'{x:.2f}' for x in row['per_run'])} | "
             + (f"{ref:.2f}× | {'✅' if row['ratio'] >= ref else '❌'} |" if ref else "– | – |"))

@@ -30,3 +30,18 @@ def test_runs_are_pooled_save_by_save(tmp_path: Path, capsys: Any) -> None:
     (tmp_path / "big.json").write_text(json.dumps(_run([1.0], [2.0], size=1 << 30)))
     assert main([str(tmp_path / "0.json"), str(tmp_path / "big.json")]) == 2
     assert "big.json" in capsys.readouterr().err
+
+
+def test_a_local_only_default_is_the_ceiling_of_the_s3_row() -> None:
+    """torch_checkpointing's own storage runs locally only: tc_dcp_ext on S3 is held against it (issue 43)."""
+    from bench.frameworks_report import summarize
+
+    systems = {"local": [{"name": "tc_dcp_ext"}, {"name": "tc_stock"}], "s3": [{"name": "tc_dcp_ext"}]}
+    seconds = {"local": {"tc_dcp_ext": [1.0], "tc_stock": [2.0]}, "s3": {"tc_dcp_ext": [4.0]}}
+    record = {"kinds": {k: {"systems": [{**m, "framework": "torch_checkpointing", "bytes": 1} for m in systems[k]],
+                            "seconds": seconds[k], "stored": {}, "files": {}} for k in systems}}
+    (local, s3) = pooled([record])
+    assert (local["default_kind"], local["ratio"]) == ("local", 2.0)
+    assert (s3["kind"], s3["default_kind"], s3["default_s"], s3["ratio"]) == ("s3", "local", 2.0, 0.5)
+    ratios = summarize(record)["ratios"]
+    assert ratios["s3"]["tc_dcp_ext"] == {"default": "tc_stock", "default_kind": "local", "ratio": 0.5, "paired": 0.5}

@@ -117,7 +117,7 @@ class _Auth:
         except ImportError as err:
             raise CredentialsError(
                 f"GCS credentials ({self._options.credentials_kind}) for {where} need google-auth: "
-                f"pip install 'dcp-ext[gcs]'; or pass storage_options={{'access_token': ...}}, or "
+                f"pip install google-auth (dcp_ext's [gcs] extra); or pass storage_options={{'access_token': ...}}, or "
                 f"{{'token': 'anon'}} for an emulator or public data", where) from err
         token = self._options.token
         try:

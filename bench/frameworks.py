@@ -536,7 +536,9 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
             *([MegatronSystem(kind, root, job, stock=True, options=None)] if kind == "local" else []),
             MegatronSystem(kind, root, job, stock=False, options=opts),
             # torch_checkpointing (bench.frameworks_tc): its own storage writes local paths only.
-            *([TorchCheckpointingSystem(kind, root, job, stock=True, options=None)] if kind == "local" else []),
+            *([TorchCheckpointingSystem(kind, root, job, stock=True, options=None),
+               TorchCheckpointingSystem(kind, root, job, stock=False, options=None, fsync=False)]
+              if kind == "local" else []),
             TorchCheckpointingSystem(kind, root, job, stock=False, options=opts),
         ]
         return [s for s in found if s.name in cfg["systems"]]

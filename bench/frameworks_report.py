@@ -26,6 +26,7 @@ PAIRS = [
     ("lightning_dcp_ext", "lightning_stock"),
     ("megatron_dcp_ext", "megatron_stock"),
     ("tc_dcp_ext", "tc_stock"),
+    ("tc_dcp_ext_nofsync", "tc_stock"),
     ("dcp_ext", "dcp_torch"),
 ]
 #: Defaults that run on one storage kind only, and the kind a dcp_ext row of another kind is held

@@ -86,7 +86,7 @@ class TorchCheckpointingSystem:
     fixed_costs = False
 
     def __init__(self, kind: str, root: str, job: dict[str, Any], stock: bool,
-                 options: dict[str, Any] | None) -> None:
+                 options: dict[str, Any] | None, fsync: bool = True) -> None:
         from torch_checkpointing import CheckpointManager
         from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
@@ -94,7 +94,7 @@ class TorchCheckpointingSystem:
 
         self.kind = kind
         self.stock = stock
-        self.name = "tc_stock" if stock else "tc_dcp_ext"
+        self.name = "tc_stock" if stock else "tc_dcp_ext" if fsync else "tc_dcp_ext_nofsync"
         self.root = f"{root}/{self.name}"
         self.job = job
         self.options = dict(options or {})
@@ -107,10 +107,13 @@ class TorchCheckpointingSystem:
             self.settings = ("sync save, `LocalFileSystemStorageConfig(use_direct_io=False)` (its O_DIRECT default "
                              "fails on close), no fsync, temp dir + rename")
         else:
-            config.storage_config = DcpExtStorageConfig(storage_options=self.options)
-            self.label = "dcp_ext DcpExtStorageConfig (torch_checkpointing)"
+            # fsync=False: the stock storage's terms (it never fsyncs), for a like-for-like local row.
+            config.storage_config = DcpExtStorageConfig(storage_options=self.options,
+                                                        io_options=None if fsync else {"fsync": False})
+            self.label = "dcp_ext DcpExtStorageConfig (torch_checkpointing)" + ("" if fsync else ", no fsync")
             if kind == "local":
-                self.settings = "sync save, dcp_ext store defaults (files fsynced), temp dir + rename"
+                self.settings = ("sync save, dcp_ext store defaults (files fsynced), temp dir + rename" if fsync else
+                                 "sync save, `io_options={'fsync': False}` (as the stock row), temp dir + rename")
             else:
                 config.save.writer_config.write_to_temp_dir = False  # object stores: no directory rename ...
                 config.finalize_callback = commit_marker  # ... a commit marker instead (the guide's way)

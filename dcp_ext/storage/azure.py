@@ -65,6 +65,7 @@ from ._azure_client import (
 )
 from ._azure_options import MAX_BLOCKS, AzureOptions
 from ._base import IncompleteUpload, ObjectWriter, Store, request_views, scatter
+from ._parallel import run_each
 from ._ranges import ReadRequest
 from ._retry import retry_sync
 from .s3 import _PartBuffers
@@ -441,20 +442,7 @@ class AzureStore(Store):
         self._finished(request)
 
     def _run_reads(self, requests: Sequence[ReadRequest]) -> None:
-        workers = min(self.options.max_concurrency, len(requests))
-        if workers <= 1:
-            for request in requests:
-                self._fetch(request)
-            return
-        with ThreadPoolExecutor(workers, thread_name_prefix="dcp_ext-azget") as pool:
-            futures = [pool.submit(self._fetch, r) for r in requests]
-            try:
-                for future in futures:
-                    future.result()
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
+        run_each(self._fetch, requests, self.options.max_concurrency, "dcp_ext-azget")
 
     def _read_range_short(self, name: str, offset: int, length: int) -> bytes:
         try:

@@ -40,7 +40,6 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..config import IOConfig
@@ -52,7 +51,14 @@ from ..errors import (
     StorageError,
     TransientStorageError,
 )
-from ._base import TMP_MARK, IncompleteUpload, ObjectWriter, Store, request_views, scatter
+from ._base import (
+    TMP_MARK,
+    IncompleteUpload,
+    ObjectWriter,
+    Store,
+    request_views,
+    scatter,
+)
 from ._gcs_client import (
     GCSConnection,
     GCSResponseError,
@@ -66,6 +72,7 @@ from ._gcs_client import (
 )
 from ._gcs_options import GCSOptions
 from ._gcs_writer import GCSWriter, temporary_pattern
+from ._parallel import run_each
 from ._ranges import ReadRequest
 from ._retry import retry_sync
 from .s3 import _PartBuffers
@@ -348,20 +355,7 @@ class GCSStore(Store):
         self._finished(request)
 
     def _run_reads(self, requests: Sequence[ReadRequest]) -> None:
-        workers = min(self.options.max_concurrency, len(requests))
-        if workers <= 1:
-            for request in requests:
-                self._fetch(request)
-            return
-        with ThreadPoolExecutor(workers, thread_name_prefix="dcp_ext-gcs-get") as pool:
-            futures = [pool.submit(self._fetch, r) for r in requests]
-            try:
-                for future in futures:
-                    future.result()
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
+        run_each(self._fetch, requests, self.options.max_concurrency, "dcp_ext-gcs-get")
 
     def _read_range_short(self, name: str, offset: int, length: int) -> bytes:
         key = self.key(name)

@@ -49,10 +49,10 @@ from ..errors import (
     TransientStorageError,
 )
 from ._base import IncompleteUpload, ObjectWriter, Store, request_views, scatter
+from ._parallel import run_each
 from ._ranges import ReadRequest
 from ._rate_limit import LimiterStats, PrefixRateLimiters
 from ._retry import retry_sync
-from ._s3_options import S3Options
 from ._s3_client import (
     S3Connection,
     _client_error_parts,
@@ -64,6 +64,7 @@ from ._s3_client import (
     timeout_error,
     translate_s3_error,
 )
+from ._s3_options import S3Options
 
 __all__ = ["S3Store", "split_s3_url"]
 
@@ -531,20 +532,7 @@ class S3Store(Store):
         self._finished(request)
 
     def _run_reads(self, requests: Sequence[ReadRequest]) -> None:
-        workers = min(self.config.max_concurrency, len(requests))
-        if workers <= 1:
-            for request in requests:
-                self._fetch(request)
-            return
-        with ThreadPoolExecutor(workers, thread_name_prefix="dcp_ext-get") as pool:
-            futures = [pool.submit(self._fetch, r) for r in requests]
-            try:
-                for future in futures:
-                    future.result()
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
+        run_each(self._fetch, requests, self.config.max_concurrency, "dcp_ext-get")
 
     # -- namespace ------------------------------------------------------------
     def exists(self, name: str) -> bool:

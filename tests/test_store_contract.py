@@ -9,6 +9,7 @@ import pytest
 from dcp_ext.storage import TMP_MARK
 from dcp_ext.testing.store import Location, StoreTests
 from tests.support.backends import Backend
+from tests.support.fault_proxy import FaultProxy
 
 
 class TestBackends(StoreTests):
@@ -48,11 +49,25 @@ class TestBackends(StoreTests):
         return int(etag.rpartition("-")[2]) if "-" in etag else 1
 
     def test_racing_creators_have_exactly_one_winner(self, location: Location) -> None:
-        if self.backend.name == "moto":
-            # moto's conditional PUT is check-then-write without a lock (a CI run saw two winners);
-            # the same race on SeaweedFS, and test_save_lock's 1,200 rounds, cover S3.
-            pytest.skip("moto does not implement If-None-Match atomically")
-        super().test_racing_creators_have_exactly_one_winner(location)
+        if self.backend.name != "moto":
+            super().test_racing_creators_have_exactly_one_winner(location)
+            return
+        # moto's conditional PUT is check-then-write without a lock (a CI run saw two
+        # winners), where S3 and SeaweedFS decide atomically. So on moto the race runs
+        # through a proxy that forwards conditional PUTs one at a time (the server's
+        # atomicity), and the test proves the client's side: every creator's PUT
+        # carries ``If-None-Match: *`` and exactly one of them is told it won.
+        url_of, options = location
+        conditional = lambda method, path, headers: method == "PUT" and any(  # noqa: E731
+            k.lower() == "if-none-match" for k in headers)
+        server = self.backend.server
+        assert server is not None
+        with FaultProxy(server.endpoint_url, serialize=conditional) as proxy:
+            super().test_racing_creators_have_exactly_one_winner(
+                (url_of, server.storage_options(proxy.endpoint_url)))
+            creates = [e for e in proxy.log if e.method == "PUT" and "/race-" in e.path and "/lock" in e.path]
+        assert len(creates) == 8 * 10, [e.path for e in creates]
+        assert {e.header("If-None-Match") for e in creates} == {"*"}
 
     def test_local_commit_leaves_no_temporary_file(self, location: Location) -> None:
         store = self.store(location)

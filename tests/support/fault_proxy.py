@@ -11,8 +11,14 @@ with a fault instead (or after) forwarding:
   but only half of the body, then the connection closes;
 * ``"delay"``: the upstream response, ``delay`` seconds late.
 
-Every request and every injected fault is recorded, so tests can assert how
-many attempts a client made.
+Every request (with its headers) and every injected fault is recorded, so
+tests can assert how many attempts a client made and what it asked for.
+
+``serialize`` (a predicate on method, path and headers) makes the proxy
+forward the requests it selects one at a time, under one lock: in front of a
+server whose conditional write is check-then-write (moto's ``If-None-Match``),
+it supplies the atomicity a real object store has, so a race tests the
+client's side of the protocol.
 
 With a :class:`PrefixRateLimit` the proxy also enforces a request rate per
 key prefix, as S3 does per partition: each prefix (the bucket and the key up
@@ -25,6 +31,7 @@ throttles per prefix.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import random
 import socket
@@ -54,6 +61,11 @@ class RequestLog:
     path: str
     fault: str | None
     at: float = 0.0
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def header(self, name: str) -> str | None:
+        """The value of header ``name`` (case-insensitive), or ``None``."""
+        return next((v for k, v in self.headers if k.lower() == name.lower()), None)
 
 
 @dataclass
@@ -162,7 +174,7 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length", 0) or 0)
         body = self.rfile.read(length) if length else b""
         proxy = self.server.owner
-        fault = proxy.decide(self.command, self.path)
+        fault = proxy.decide(self.command, self.path, tuple(self.headers.items()))
         if fault == "reset":
             # SO_LINGER with zero timeout makes close() send RST.
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -180,16 +192,18 @@ class _Handler(BaseHTTPRequestHandler):
             if self.command != "HEAD":
                 self.wfile.write(payload)
             return
-        upstream = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=60)
-        try:
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
-            upstream.request(self.command, self.path, body=body, headers=headers)
-            response = upstream.getresponse()
-            payload = response.read()
-            response_headers = response.getheaders()
-            status = response.status
-        finally:
-            upstream.close()
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
+        serialized = proxy.serialize is not None and proxy.serialize(self.command, self.path, headers)
+        with proxy.serial_lock if serialized else contextlib.nullcontext():
+            upstream = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=60)
+            try:
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                response = upstream.getresponse()
+                payload = response.read()
+                response_headers = response.getheaders()
+                status = response.status
+            finally:
+                upstream.close()
         if fault == "delay":
             time.sleep(proxy.plan.delay)
         self.send_response(status)
@@ -225,13 +239,16 @@ class FaultProxy:
     """
 
     def __init__(
-        self, upstream: str, plan: FaultPlan | None = None, rate_limit: PrefixRateLimit | None = None
+        self, upstream: str, plan: FaultPlan | None = None, rate_limit: PrefixRateLimit | None = None,
+        serialize: Callable[[str, str, dict[str, str]], bool] | None = None,
     ) -> None:
         parts = urlsplit(upstream)
         self.upstream_host = parts.hostname or "127.0.0.1"
         self.upstream_port = parts.port or 80
         self.plan = plan or FaultPlan()
         self.rate_limit = rate_limit
+        self.serialize = serialize
+        self.serial_lock = threading.Lock()
         self.log: list[RequestLog] = []
         self._stats: dict[str, PrefixStats] = {}
         self._buckets: _TokenBuckets | None = None
@@ -244,7 +261,7 @@ class FaultProxy:
     def endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def decide(self, method: str, path: str) -> str | None:
+    def decide(self, method: str, path: str, headers: tuple[tuple[str, str], ...] = ()) -> str | None:
         prefix = prefix_of(method, path)
         with self._lock:
             stats = self._stats.setdefault(prefix, PrefixStats())
@@ -258,7 +275,7 @@ class FaultProxy:
                     stats.throttled += 1
             if fault is None:
                 fault = self.plan.choose(method, path)
-            self.log.append(RequestLog(method, path, fault, time.monotonic()))
+            self.log.append(RequestLog(method, path, fault, time.monotonic(), headers))
             return fault
 
     def prefix_stats(self) -> dict[str, PrefixStats]:

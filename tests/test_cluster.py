@@ -10,7 +10,6 @@ skipped without root, never under ``CI=true``.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,9 +50,12 @@ def _save(cluster: Cluster, step: int, root: str, options: dict[str, Any], **kwa
 
 
 def _save_with_victim(cluster: Cluster, step: int, root: str, options: dict[str, Any], victim: int, point: str,
-                      then: Any, env: dict[str, str] | None = None, **kwargs: Any) -> tuple[list[Any], float]:
+                      then: Any, env: dict[str, str] | None = None, end_victim_after_survivors: bool = False,
+                      **kwargs: Any) -> tuple[list[Any], float]:
     """A save in which rank ``victim`` (host ``victim``) pauses at ``point``; ``then(cluster)``
-    runs when it got there (kill, cut); the survivors' outcomes and when ``then`` ran."""
+    runs when it got there (kill, cut); the survivors' outcomes and when ``then`` ran. With
+    ``end_victim_after_survivors``, the victim (left paused by ``then``) is killed once every
+    survivor has ended."""
     gate = Path(_shared(cluster, "gates")) / f"step{step}-{time.time_ns()}"
     run = cluster.spawn(workers.save, args=(f"{root}/plain{step}", step, options, TIMEOUT, [victim], point,
                                             str(gate)),
@@ -65,6 +67,14 @@ def _save_with_victim(cluster: Cluster, step: int, root: str, options: dict[str,
         time.sleep(0.05)
     struck = time.monotonic()
     then(cluster, gate)
+    if end_victim_after_survivors:
+        # The victim's host goes once every survivor has written its outcome
+        # (instead of at a fixed time "surely" after the timeout).
+        others = [run.run_dir / f"rank{r}.pkl" for r in range(len(cluster.hosts)) if r != victim]
+        deadline = time.monotonic() + BOUND + 30
+        while not all(p.exists() for p in others) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cluster.kill_host(victim)
     results = run.wait()
     return [r.value for r in results if r.rank != victim], struck
 
@@ -107,11 +117,9 @@ def test_a_dead_or_stalled_host_is_named_and_nothing_commits(cluster: Cluster, b
     root = _shared(cluster, "stalled-root")
 
     def stall(c: Cluster, gate: Path) -> None:
-        # The gate never opens: rank 2 waits in write_data; once the others
-        # have surely raised (at the timeout), what is left of it goes.
-        threading.Timer(TIMEOUT + 15.0, c.kill_host, args=(2,)).start()
+        pass  # the gate never opens: rank 2 waits in write_data until the others have ended
 
-    survivors, _ = _save_with_victim(cluster, 1, root, {}, 2, "mid_data", stall)
+    survivors, _ = _save_with_victim(cluster, 1, root, {}, 2, "mid_data", stall, end_victim_after_survivors=True)
     _named(survivors, 2, cluster)
     assert all("alive but still in 'write_data'" in s["message"] for s in survivors), survivors
 

@@ -29,7 +29,7 @@ from dcp_ext.guard import LOCK_FILE, LockRecord, SaveLock, lock_state, renewals
 from dcp_ext.guard._leases import LEASE_PREFIX, LEASE_SUFFIX
 from dcp_ext.storage import open_store
 from tests.support.backends import backend_for
-from tests.support.root_cli import PausedJob, env, loads, manager, run_cli
+from tests.support.root_cli import NamespaceCli, PausedJob, env, loads, manager, run_cli
 from tests.support.root_jobs import model_at
 
 TEN_YEARS = 315_360_000.0
@@ -220,34 +220,35 @@ def test_other_pid_namespace_never_judges_a_live_save_dead(tmp_path: Path, reque
     saver.save("step1", model_at(1))
     fast = {"DCP_EXT_HEARTBEAT_INTERVAL": "0.3", "DCP_EXT_HEARTBEAT_TIMEOUT": "2"}
     job = PausedJob(backend, root, "step2", 2, tmp_path / "go", **fast)
-    time.sleep(2.5)  # longer than the timeout: only renewals keep it live
-    listed = run_cli(backend, "locks", root, pid_namespace=True)
-    assert listed.returncode == 0 and "step2_partial/.dcp_ext.saving  lock  live" in listed.stdout, listed
-    assert "lease  live" in listed.stdout, listed
-    pruned = run_cli(backend, "prune", root, "--keep", "1", pid_namespace=True)
-    assert "taking over" not in pruned.stderr and "deleted step0" in pruned.stdout, pruned
-    assert (tmp_path / "root" / "step2_partial").exists()
-    refused = run_cli(backend, "locks", root, "--break", "step2_partial/.dcp_ext.saving", pid_namespace=True)
-    assert refused.returncode == 2 and "not breaking" in refused.stderr and "counts as dead" in refused.stderr, refused
-    code, err = job.go()
-    assert code == 0, err
-    assert saver.read_newest() == "step2" and loads(saver, "step2", 2) and loads(saver, "step1", 1)
-    # A save killed while paused: judged from another namespace by a watcher that polls its lock,
-    # live until the heartbeat timeout after its last renewal, dead from then on.
-    job = PausedJob(backend, root, "step3", 3, tmp_path / "go3", **fast)
-    watcher = subprocess.Popen(
-        ["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", _WATCH, f"{root}/step3_partial"],
-        env=env(backend), stdout=subprocess.PIPE, text=True)
-    assert watcher.stdout is not None and json.loads(watcher.stdout.readline())["live"] is True
-    killed = time.monotonic()
-    os.kill(job.proc.pid, signal.SIGKILL)
-    job.proc.wait()
-    seen = [json.loads(line) for line in watcher.stdout]
-    assert watcher.wait() == 0
-    dead_at = next(entry["t"] for entry in seen if not entry["live"]) - killed
-    assert 2.0 - 0.3 - 0.25 <= dead_at <= 2.0 + 1.0, (dead_at, seen[-3:])  # timeout 2 s, interval 0.3 s
-    broken = run_cli(backend, "locks", root, "--break", "step3_partial/.dcp_ext.saving", pid_namespace=True)
-    assert broken.returncode == 0 and "removed step3_partial/.dcp_ext.saving" in broken.stdout, broken
+    with NamespaceCli(backend) as namespace:  # dcp-ext, in a PID namespace of its own
+        time.sleep(2.5)  # longer than the timeout: only renewals keep it live
+        listed = namespace.run("locks", root)
+        assert listed.returncode == 0 and "step2_partial/.dcp_ext.saving  lock  live" in listed.stdout, listed
+        assert "lease  live" in listed.stdout, listed
+        pruned = namespace.run("prune", root, "--keep", "1")
+        assert "taking over" not in pruned.stderr and "deleted step0" in pruned.stdout, pruned
+        assert (tmp_path / "root" / "step2_partial").exists()
+        refused = namespace.run("locks", root, "--break", "step2_partial/.dcp_ext.saving")
+        assert refused.returncode == 2 and "not breaking" in refused.stderr and "counts as dead" in refused.stderr, refused
+        code, err = job.go()
+        assert code == 0, err
+        assert saver.read_newest() == "step2" and loads(saver, "step2", 2) and loads(saver, "step1", 1)
+        # A save killed while paused: judged from another namespace by a watcher that polls its lock,
+        # live until the heartbeat timeout after its last renewal, dead from then on.
+        job = PausedJob(backend, root, "step3", 3, tmp_path / "go3", **fast)
+        watcher = subprocess.Popen(
+            ["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", _WATCH, f"{root}/step3_partial"],
+            env=env(backend), stdout=subprocess.PIPE, text=True)
+        assert watcher.stdout is not None and json.loads(watcher.stdout.readline())["live"] is True
+        killed = time.monotonic()
+        os.kill(job.proc.pid, signal.SIGKILL)
+        job.proc.wait()
+        seen = [json.loads(line) for line in watcher.stdout]
+        assert watcher.wait() == 0
+        dead_at = next(entry["t"] for entry in seen if not entry["live"]) - killed
+        assert 2.0 - 0.3 - 0.25 <= dead_at <= 2.0 + 1.0, (dead_at, seen[-3:])  # timeout 2 s, interval 0.3 s
+        broken = namespace.run("locks", root, "--break", "step3_partial/.dcp_ext.saving")
+        assert broken.returncode == 0 and "removed step3_partial/.dcp_ext.saving" in broken.stdout, broken
     saver.save("step3", model_at(3))
     assert loads(saver, "step3", 3)
     saver.close()

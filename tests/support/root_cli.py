@@ -3,7 +3,9 @@
 
 :class:`PausedJob` is one training job's save (``tests/support/root_jobs.py``)
 paused at a failpoint until the test says go; :func:`run_cli` runs a real
-``dcp-ext`` command, optionally in another PID namespace (``unshare -p``).
+``dcp-ext`` command in another process; :class:`NamespaceCli` runs several commands, one after another, in one
+interpreter of its own in a new PID namespace (one interpreter start and
+torch import for all of them).
 """
 
 from __future__ import annotations
@@ -53,38 +55,86 @@ def env(backend: Backend | None = None, **extra: str) -> dict[str, str]:
 
 class PausedJob:
     """A save of ``tag`` (tests/support/root_jobs.py) in another process,
-    paused at ``point`` until :meth:`go`."""
+    paused at ``point`` until :meth:`go`. The process is forked from the
+    suite's fork server (tests/support/forked.py), as ``python -m
+    tests.support.root_jobs`` would run it, without a fresh interpreter."""
 
     def __init__(self, backend: Backend, root: str, tag: str, step: int, gate: Path, keep: int | None = None,
                  point: str = "before_metadata", **extra_env: str) -> None:
+        from tests.support import forked
+
         self.gate = gate
-        args = [sys.executable, "-m", "tests.support.root_jobs", root, json.dumps(backend.storage_options), tag,
-                str(step)] + ([str(keep)] if keep else [])
-        self.proc = subprocess.Popen(args, cwd=REPO, env=env(backend, DCP_EXT_PAUSE_AT=point,
-                                                             DCP_EXT_PAUSE_FILE=str(gate), **extra_env),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        argv = [root, json.dumps(backend.storage_options), tag, str(step)] + ([str(keep)] if keep else [])
+        self.proc = forked.start("tests.support.root_jobs:main", argv, cwd=REPO, text=True,
+                                 env=env(backend, DCP_EXT_PAUSE_AT=point, DCP_EXT_PAUSE_FILE=str(gate), **extra_env))
         deadline = time.monotonic() + 120
         while not Path(f"{gate}.reached").exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the job never reached {point}: {self.proc.communicate()}")
+                self.proc.kill()
+                raise AssertionError(f"the job never reached {point}: {self.proc.communicate(30)}")
             time.sleep(0.05)
 
     def go(self) -> tuple[int, str]:
         self.gate.touch()
         _, err = self.proc.communicate(timeout=120)
-        return self.proc.returncode, err
+        return self.proc.returncode or 0, err
 
 
-def run_cli(backend: Backend, *args: str, pid_namespace: bool = False, **extra_env: str) -> subprocess.CompletedProcess[str]:
-    """``dcp-ext ARGS`` in another process (``pid_namespace``: in a new PID
-    namespace of its own, through ``unshare -p -f --mount-proc``)."""
+_SERVE = """
+import contextlib, io, json, sys
+from dcp_ext.cli import main
+for line in sys.stdin:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(json.loads(line))
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+    print(json.dumps([code or 0, out.getvalue(), err.getvalue()]), flush=True)
+"""
+
+
+class NamespaceCli:
+    """``dcp-ext`` commands run in one process of their own in a new PID
+    namespace (``unshare -p -f --mount-proc``): a process there sees none of
+    this namespace's PIDs, as a command on another host would not. Use as a
+    context manager; :meth:`run` returns what :func:`run_cli` would."""
+
+    def __init__(self, backend: Backend, **extra_env: str) -> None:
+        self.backend = backend
+        self.proc = subprocess.Popen(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", _SERVE], cwd=REPO,
+                                     env=env(backend, **extra_env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """``dcp-ext ARGS`` (with the backend's storage options) in the namespace."""
+        options = ["--storage-options", json.dumps(self.backend.storage_options)] if self.backend.storage_options else []
+        argv = [*options, *args]
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the namespace's dcp-ext process ended: {self.proc.stderr.read() if self.proc.stderr else ''}")
+        code, out, err = json.loads(line)
+        return subprocess.CompletedProcess(["dcp-ext", *argv], code, out, err)
+
+    def __enter__(self) -> NamespaceCli:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.proc.communicate(timeout=60)  # its input closed: it ends
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def run_cli(backend: Backend, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    """``dcp-ext ARGS`` in another process, forked from the suite's fork
+    server (no fresh interpreter and torch import; :class:`NamespaceCli` for
+    another PID namespace)."""
+    from tests.support import forked
+
     options = ["--storage-options", json.dumps(backend.storage_options)] if backend.storage_options else []
-    if not pid_namespace:  # forked from the suite's fork server: no fresh interpreter and torch import
-        from tests.support import forked
-
-        return forked.run("dcp_ext.cli:main", [*options, *args], env=env(backend, **extra_env), cwd=REPO)
-    command = [sys.executable, "-m", "dcp_ext", *options, *args]
-    if pid_namespace:
-        command = ["unshare", "-p", "-f", "--mount-proc", *command]
-    return subprocess.run(command, cwd=REPO, env=env(backend, **extra_env), capture_output=True, text=True,
-                          timeout=120)
+    return forked.run("dcp_ext.cli:main", [*options, *args], env=env(backend, **extra_env), cwd=REPO)

@@ -41,7 +41,7 @@ from .full._export import export_partial
 from .hf import HF_INDEX_FILE, export_hf
 from .layout import PARTIAL_SUFFIX, RETIRED_FILE
 from .manager import CheckpointManager
-from .metadata import METADATA_FILE, TORCH_METADATA_FILE, DecodedMetadata, StoredItem
+from .metadata import METADATA_FILE, TORCH_METADATA_FILE, StoredItem
 from .metadata.chunk_table import ChunkLocations, KeyTotals
 from .metadata.decode import MAX_CREATED
 from .root import (
@@ -53,7 +53,7 @@ from .root import (
     verify,
     verify_full,
 )
-from .storage import Location, Store, join_path, normalize_path
+from .storage import Location, Store, normalize_path
 
 __all__ = ["main"]
 
@@ -66,6 +66,11 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options.setdefault("client_kwargs", {})["endpoint_url"] = args.endpoint_url
         options.setdefault("config_kwargs", {"s3": {"addressing_style": "path"}})
     return options
+
+
+def _location(args: argparse.Namespace, path: str) -> Location:
+    """``path`` with the command line's storage options (:func:`_options`) and the environment's I/O config."""
+    return Location.of(path, _options(args))
 
 
 def _storage_options(text: str | None) -> dict[str, Any]:
@@ -185,18 +190,17 @@ def _hf_folder_entry(root: CheckpointRoot, tag: str) -> dict[str, Any]:
         return entry | {"state": "damaged"}
 
 
-def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, Any],
-                   directory: str | None = None) -> dict[str, Any]:
+def _partial_entry(root: Location, tag: str, newest: str | None, directory: str | None = None) -> dict[str, Any]:
     """The ``ls`` entry of ``ROOT/{tag}_partial`` (or of ``ROOT/{directory}``, a
     framework's checkpoint folder): committed, incomplete or damaged."""
-    path = join_path(root, directory if directory is not None else tag + PARTIAL_SUFFIX)
+    location = root.child(directory if directory is not None else tag + PARTIAL_SUFFIX)
     entry: dict[str, Any] = {"tag": tag, "state": "committed", "newest": tag == newest, "stored_bytes": None,
                              "ratio": None, "world_size": None, "mesh": None, "created": None}
     try:
-        decoded = _load_metadata(path, options)
+        decoded = read_own_metadata(location)
         totals = _key_totals(decoded.metadata).values()
     except FileNotFoundError:
-        store = Location(path, options).open()
+        store = location.open()
         if store.exists(RETIRED_FILE):  # deleted; keeps the files later incremental checkpoints refer to
             kept = [n for n in store.list_tree() if n.endswith(".distcp")]
             return entry | {"state": "retired", "stored_bytes": sum(store.size(n) for n in kept)}
@@ -215,7 +219,7 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
         entry.update(referenced_bytes=decoded.incremental.referenced_bytes, base=decoded.incremental.base,
                      chain=decoded.incremental.chain)
     try:
-        mesh = json.loads(Location(path, options).open().read_file("partition.json")).get("mesh")
+        mesh = json.loads(location.open().read_file("partition.json")).get("mesh")
         if mesh:
             entry["mesh"] = dict(zip(mesh.get("dim_names") or [], mesh.get("shape") or []))
     except (DcpExtError, ValueError, TypeError, AttributeError, RecursionError):
@@ -223,7 +227,7 @@ def _partial_entry(root: str, tag: str, newest: str | None, options: dict[str, A
     return entry
 
 
-def _framework_folders(root: CheckpointRoot, hf_folders: set[str], options: dict[str, Any]) -> list[str]:
+def _framework_folders(root: CheckpointRoot, hf_folders: set[str]) -> list[str]:
     """Checkpoint directories the framework adapters write, relative to the root:
     torchtitan's ``step-N``, Lightning's ``*.ckpt``, Accelerate's
     ``checkpoint-N/pytorch_model_fsdp_0`` and ``optimizer_0``: any directory
@@ -244,15 +248,10 @@ def _framework_folders(root: CheckpointRoot, hf_folders: set[str], options: dict
     return found
 
 
-def _load_metadata(path: str, options: dict[str, Any]) -> DecodedMetadata:
-    return read_own_metadata(Location(path, options).open(), options)
-
-
-def _full_checkpoint_file(path: str, options: dict[str, Any]) -> bool:
-    """Whether ``path`` names a full checkpoint: a file rather than a
+def _full_checkpoint_file(location: Location) -> bool:
+    """Whether ``location`` names a full checkpoint: a file rather than a
     directory, or a Hugging Face folder (``model.safetensors`` or its index,
     and no dcp_ext metadata)."""
-    location = Location(path, options)
     parent = location.parent()
     if parent is not None and parent.open().exists(location.name):
         return True
@@ -305,9 +304,9 @@ def _print_entries(entries: list[dict[str, Any]]) -> None:
     print(_table(rows))
 
 
-def _open_root(url: str, options: dict[str, Any]) -> CheckpointRoot:
-    """The root at ``url``; a path that does not exist is an error (a typo must not look like an empty root)."""
-    root = CheckpointRoot(normalize_path(url), IOConfig.from_env(), options)
+def _open_root(location: Location) -> CheckpointRoot:
+    """The root at ``location``; a path that does not exist is an error (a typo must not look like an empty root)."""
+    root = CheckpointRoot(location)
     if not root.exists():
         raise CheckpointNotFoundError(f"{root.store.describe()} does not exist: check the path (for S3: bucket, "
                                       f"prefix and endpoint)", root.store.describe())
@@ -326,11 +325,10 @@ def _local_tiers(dirs: list[str]) -> list[tuple[str, set[str]]]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    options = _options(args)
-    root = _open_root(args.root, options)
+    root = _open_root(_location(args, args.root))
     store = root.store
     newest = root.newest_record()
-    entries = [_partial_entry(root.url, tag, newest, options) for tag in root.partial_tags()]
+    entries = [_partial_entry(root.location, tag, newest) for tag in root.partial_tags()]
     if args.local_tier:
         tiers = _local_tiers(args.local_tier)
         for entry in entries:
@@ -344,8 +342,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     entries += [e for name in root.full_candidates() if (e := _full_checkpoint_entry(store, name))]
     hf_folders = root.hf_folders()
     entries += [_hf_folder_entry(root, tag) for tag in hf_folders]
-    entries += [_partial_entry(root.url, name, newest, options, directory=name)
-                for name in _framework_folders(root, set(hf_folders), options)]
+    entries += [_partial_entry(root.location, name, newest, directory=name)
+                for name in _framework_folders(root, set(hf_folders))]
     if args.json:
         print(json.dumps({"root": store.describe(), "newest": newest, "checkpoints": entries}, indent=1))
         return 0
@@ -372,17 +370,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    path, options = normalize_path(args.checkpoint), _options(args)
-    if _full_checkpoint_file(path, options):
-
-        entries = _key_entries(FullCheckpointReader(path, storage_options=options).read_metadata())
+    location = _location(args, args.checkpoint)
+    if _full_checkpoint_file(location):
+        reader = FullCheckpointReader(location.url, storage_options=location.storage_options)
+        entries = _key_entries(reader.read_metadata())
         if args.json:
             print(json.dumps({"full": True, "keys": entries}, indent=1))
             return 0
         _print_entries(entries)
         print(f"{len(entries)} tensors, {_size(sum(e['stored_bytes'] for e in entries))}: a full checkpoint")
         return 0
-    decoded = _load_metadata(path, options)
+    decoded = read_own_metadata(location)
     entries = _key_entries(decoded.metadata)
     if args.json:
         print(json.dumps({"world_size": decoded.world_size, "files": decoded.files, "keys": entries}, indent=1))
@@ -394,23 +392,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    path, options = normalize_path(args.checkpoint), _options(args)
-    if _full_checkpoint_file(path, options):
-        return _verify_full(path, options, args.quiet)
+    location = _location(args, args.checkpoint)
+    if _full_checkpoint_file(location):
+        return _verify_full(location, args.quiet)
     bar = _ProgressBar("verifying", args.quiet)
     try:
-        report = verify(path, storage_options=options, progress=bar, present_only=args.local_copy)
+        report = verify(location, progress=bar, present_only=args.local_copy)
     finally:
         bar.close()
     print(report)
     return 0 if report.ok else 1
 
 
-def _verify_full(path: str, options: dict[str, Any], quiet: bool) -> int:
-    """Check a full checkpoint against the checksums recorded in its sidecar."""
+def _verify_full(location: Location, quiet: bool) -> int:
+    """Check the full checkpoint at ``location`` against the checksums recorded in its sidecar."""
     bar = _ProgressBar("verifying", quiet)
     try:
-        report = verify_full(path, storage_options=options, progress=bar)
+        report = verify_full(location.url, storage_options=location.storage_options, progress=bar)
     finally:
         bar.close()
     print(report)
@@ -428,14 +426,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         out = normalize_path(args.out)
         if "/" not in out:
             out = "./" + out
-    elif "/" not in args.out and not _holds_checkpoint(path, _options(args)):  # export ROOT TAG: into the root
+    elif "/" not in args.out and not _holds_checkpoint(_location(args, path)):  # export ROOT TAG: into the root
         root, name, out = path, args.out + PARTIAL_SUFFIX, None
-    elif _holds_checkpoint(path, _options(args)):  # a framework's checkpoint folder (step-8, last.ckpt, ...)
-        return _export_folder(args, path)
+    elif _holds_checkpoint(_location(args, path)):  # a framework's checkpoint folder (step-8, last.ckpt, ...)
+        return _export_folder(args, _location(args, path))
     else:
         raise ValueError(f"{path} holds no committed checkpoint; pass a checkpoint directory and OUT "
                          f"(ROOT/TAG{PARTIAL_SUFFIX}, torchtitan's step-N, Lightning's *.ckpt...), or ROOT TAG")
-    manager = CheckpointManager(root, storage_options=_options(args))
+    manager = CheckpointManager(_location(args, root))
     hf: dict[str, Any] = {}
     if args.format == "hf":
         hf = {"max_shard_size": args.max_shard_size, "dtype": _EXPORT_DTYPES[args.dtype] if args.dtype else None,
@@ -456,35 +454,32 @@ def cmd_export(args: argparse.Namespace) -> int:
 _EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _holds_checkpoint(path: str, options: dict[str, Any]) -> bool:
-    store = Location(path, options).open()
+def _holds_checkpoint(location: Location) -> bool:
+    store = location.open()
     return store.exists(METADATA_FILE) or store.exists(TORCH_METADATA_FILE)
 
 
-def _export_folder(args: argparse.Namespace, path: str) -> int:
-    """``export`` of any committed checkpoint directory (not a root's tag): one file, or an HF folder."""
-    options = _options(args)
-    out = normalize_path(args.out)
+def _export_folder(args: argparse.Namespace, source: Location) -> int:
+    """``export`` of the committed checkpoint directory ``source`` (not a root's tag): one file, or an HF folder."""
+    target = source.at(args.out)
     bar = _ProgressBar(f"exporting ({args.format})", args.quiet)
     try:
         if args.format == "hf":
-            export_hf(path, out, include_optimizer=args.include_optimizer, overwrite=args.overwrite,
-                               max_shard_size=args.max_shard_size, storage_options=options,
-                               dtype=_EXPORT_DTYPES[args.dtype] if args.dtype else None,
-                               config_json=None if args.hf_config is None else
-                               open(args.hf_config, encoding="utf-8").read())
-            written = Location(out, options).url
+            export_hf(source.url, target.url, include_optimizer=args.include_optimizer, overwrite=args.overwrite,
+                      max_shard_size=args.max_shard_size, storage_options=source.storage_options,
+                      dtype=_EXPORT_DTYPES[args.dtype] if args.dtype else None,
+                      config_json=None if args.hf_config is None else open(args.hf_config, encoding="utf-8").read())
+            written = target.url
         else:
             if args.dtype or args.max_shard_size != "5GB" or args.hf_config:
                 raise ValueError("--dtype, --max-shard-size and --hf-config apply to --format hf only")
-            target = Location(out, options)
             parent = target.parent() or target.at(".")
             store = parent.open()
             if store.exists(target.name) and not args.overwrite:
                 raise CheckpointExistsError(f"Checkpoint already exists at {store.describe(target.name)}; pass "
                                             f"--overwrite", store.describe(target.name))
-            export_partial(path, store, target.name, full_format=args.format, include_optimizer=args.include_optimizer,
-                           storage_options=options, config=IOConfig.from_env(), progress=bar)
+            export_partial(source, store, target.name, full_format=args.format,
+                           include_optimizer=args.include_optimizer, progress=bar)
             written = store.describe(target.name)
     finally:
         bar.close()
@@ -493,7 +488,7 @@ def _export_folder(args: argparse.Namespace, path: str) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    root = _open_root(args.root, _options(args))
+    root = _open_root(_location(args, args.root))
     keep_last = KeepLast(args.keep)
     policy: RetentionPolicy = keep_last | KeepEvery(args.keep_every) if args.keep_every else keep_last
     committed = len(root.committed())
@@ -514,7 +509,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_locks(args: argparse.Namespace) -> int:
-    root = _open_root(args.root, _options(args))
+    root = _open_root(_location(args, args.root))
     if args.break_name:
         broken = root.break_record(args.break_name, force=args.force)
         print(f"removed {broken.name} ({broken.state.reason})")
@@ -528,7 +523,7 @@ def cmd_locks(args: argparse.Namespace) -> int:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    root = _open_root(args.root, _options(args))
+    root = _open_root(_location(args, args.root))
     report = root.compact(args.tag)
     if not report.changed:
         print(f"{root.partial_url(args.tag)} refers to no other checkpoint: nothing to do")

@@ -31,7 +31,7 @@ from dcp_ext.errors import CheckpointInUseError, ForeignCheckpointError, Invalid
 from dcp_ext.guard import SaveLock
 from dcp_ext.integrations import _checkpoint_dirs as dirs
 from dcp_ext.root import delete_checkpoint_dir
-from dcp_ext.storage import open_store
+from dcp_ext.storage import Location, open_store
 from tests.support.adapter_deletion_workers import (
     delete_killed_after_uncommit,
     file_tree,
@@ -220,7 +220,7 @@ def test_a_live_save_a_failed_save_and_a_cut_off_deletion(plugins, tmp_path: Pat
     for path in (failed, cut):
         left = set(os.listdir(path))
         assert ".dcp_ext.saving" in left and any(n.endswith(".distcp") for n in left), left
-        assert not left & OWN and not dirs.is_committed(str(path)), left
+        assert not left & OWN and not dirs.is_committed(Location.of(path)), left
         io.remove_checkpoint(str(path))
         assert not path.exists()
 

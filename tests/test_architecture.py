@@ -9,6 +9,7 @@ them, classes of 994 and 896 lines, modules of 1,375 and 1,019 lines).
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 from pathlib import Path
 
@@ -175,6 +176,122 @@ def test_stores_are_opened_from_locations_above_storage() -> None:
                 if called == "open_store":
                     calls.append(f"{path}:{node.lineno}")
     assert calls == [], calls
+
+
+#: Private definitions above ``storage/`` that still declare ``storage_options``, and why.
+KEEPS_STORAGE_OPTIONS = {
+    # use_for_dcp's settings, recorded before there is any path: DCP names the checkpoint at each
+    # call (checkpoint_id), and _Settings.writer/reader hand both to CheckpointWriter/CheckpointReader,
+    # the public entry points that make the Location.
+    "dcp_ext.dcp_default._Settings",
+    # Public in all but its package: the one deletion rule the adapters' users are pointed to
+    # (docs/guides/integrations.md), ``dcp_ext.root.delete_checkpoint_dir(path, storage_options)``;
+    # it takes a Location too.
+    "dcp_ext.root._standalone.delete_checkpoint_dir",
+}
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    """The module ``from ... import`` names, in ``module``."""
+    parts = module.split(".") if MODULES[module].name == "__init__.py" else module.split(".")[:-1]
+    if not node.level:
+        return node.module or ""
+    return ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def _defined_at(module: str, name: str) -> str | None:
+    """``module.Name`` where ``name``, as ``module`` has it, is defined (``from`` imports followed)."""
+    tree = _tree(MODULES[module])
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return f"{module}.{name}"
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                source = _absolute(module, node)
+                if (alias.asname or alias.name) == name and source in MODULES:
+                    return _defined_at(source, alias.name)
+    return None
+
+
+def _is_public_module(module: str) -> bool:
+    """A module users import (``dcp_ext.api``, ``dcp_ext.integrations.torchtitan``): no ``_``-prefixed
+    part and not an internal package's ``__init__`` (whose ``__all__`` serves the layers above)."""
+    parts = module.split(".")[1:]
+    return bool(parts) and not any(p.startswith("_") for p in parts) and MODULES[module].name != "__init__.py"
+
+
+def _public_definitions() -> set[str]:
+    """``module.Name`` of the public API's classes and functions: what ``dcp_ext`` exports, the public
+    modules' own names, and what those hand out from private modules (in their ``__all__``, or as a
+    base class of a class of theirs: the Lightning adapters' mixins)."""
+    public: set[str] = set()
+    exported = next(n.value for n in _tree(MODULES["dcp_ext"]).body
+                    if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets))
+    public |= {where for name in ast.literal_eval(exported) if (where := _defined_at("dcp_ext", name))}
+    for module in filter(_is_public_module, MODULES):
+        tree = _tree(MODULES[module])
+        handed_out: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+                handed_out |= set(ast.literal_eval(node.value))
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                handed_out |= {b.id for b in node.bases if isinstance(b, ast.Name)}
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                    and not node.name.startswith("_"):
+                public.add(f"{module}.{node.name}")
+        public |= {where for name in handed_out if (where := _defined_at(module, name))}
+    return public
+
+
+def test_storage_options_stop_at_the_public_entry_points() -> None:
+    """Issue 42: below the public entry points (which take a path and ``storage_options``) a location
+    travels as one :class:`~dcp_ext.storage.Location`: no private function, method or class above
+    ``storage/`` declares a ``storage_options`` parameter (a dataclass field is a parameter
+    of its constructor). On 04dc854, before the move, it named 21 (drains, the manager's context, the
+    HF and full exports, the deletion rule's helpers, the adapters' directory helpers...)."""
+    public = _public_definitions()
+    loose: list[str] = []
+    kept: set[str] = set()
+
+    def check(name: str, found: str) -> None:
+        if name in KEEPS_STORAGE_OPTIONS:
+            kept.add(name)
+        else:
+            loose.append(found)
+
+    def visit(node: ast.AST, prefix: str, path: Path, in_public: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            name = f"{prefix}.{child.name}"
+            own = child.name.startswith("_") and not (child.name.startswith("__") and child.name.endswith("__"))
+            is_public = name in public or (in_public and not own)
+            if isinstance(child, ast.ClassDef):
+                fields = [s for s in child.body if isinstance(s, ast.AnnAssign)
+                          and getattr(s.target, "id", "") == "storage_options"]
+                if fields and not is_public:
+                    check(name, f"{path}:{fields[0].lineno}: {name} has a storage_options field")
+                visit(child, name, path, is_public)
+                continue
+            args = child.args
+            if "storage_options" in [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs] \
+                    and not is_public:
+                check(name, f"{path}:{child.lineno}: {name} takes storage_options")
+            visit(child, name, path, False)  # a function's own functions are its business
+
+    for module, path in MODULES.items():
+        if LAYERS[_unit(module)] <= LAYERS["storage"]:
+            continue
+        # Top-level names of a public module are public unless _-prefixed; elsewhere only those listed.
+        visit(_tree(path), module, path, _is_public_module(module))
+    assert loose == [], "take a Location instead:\n" + "\n".join(loose)
+    assert kept == KEEPS_STORAGE_OPTIONS, f"no longer take storage_options: {KEEPS_STORAGE_OPTIONS - kept}"
 
 
 #: What each public module exported before the redesign (2062839, issue 33): every name must still import.

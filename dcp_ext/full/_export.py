@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -21,10 +21,9 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 
-from ..config import IOConfig
 from ..dcp_io import CheckpointReader
 from ..errors import InvalidPathError
-from ..storage import Store, normalize_path
+from ..storage import Location, Store, normalize_path
 from ._checksums import ChecksumRecorder
 from ._write import (
     FullTensorSpec,
@@ -119,17 +118,16 @@ def whole_tensor_items(key: str, md: TensorStorageMetadata) -> list[ReadItem]:
 
 
 def export_partial(
-    source: str,
+    source: Location,
     target: Store,
     name: str,
     *,
     full_format: str = "safetensors",
     include_optimizer: bool = False,
-    storage_options: dict[str, Any] | None = None,
-    config: IOConfig | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> int:
-    """Stream the model (and optionally optimizer) tensors of ``source`` into ``target/name``.
+    """Stream the model (and optionally optimizer) tensors of the checkpoint at
+    ``source`` (read with its storage options and I/O config) into ``target/name``.
 
     Keys of a checkpoint saved by :class:`~dcp_ext.CheckpointManager` lose their
     ``model.`` prefix (the file holds the model's own state-dict keys);
@@ -148,8 +146,8 @@ def export_partial(
     Raises:
         InvalidPathError: ``target/name`` is ``source`` or lies inside it.
     """
-    refuse_output_in_source(source, target.describe(name))
-    reader = CheckpointReader(source, storage_options=storage_options, config=config)
+    refuse_output_in_source(source.url, target.describe(name))
+    reader = CheckpointReader(source)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
     tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}

@@ -126,25 +126,25 @@ class FullCheckpointReader(CheckpointReader):
         self.key_map = key_map
         self.dequantize_fp8 = dequantize_fp8
         self.scales: dict[str, FP8Scale] = {}
-        root, self._file = self._locate(self.source, storage_options, config)
+        root, self._file = self._locate(Location.of(self.source, storage_options, config))
         super().__init__(root, storage_options=storage_options, config=config, **io_options)
         self._metadata: Metadata | None = None  # a full checkpoint does not change
 
     @staticmethod
-    def _locate(source: str, storage_options: dict[str, Any] | None, config: IOConfig | None) -> tuple[str, str | None]:
+    def _locate(source: Location) -> tuple[str, str | None]:
         """(root, file) when ``source`` is a file, (source, None) for a folder."""
-        parent, name = _split(source)
-        store = Location.of(parent, storage_options, config).open()
+        parent, name = _split(source.url)
+        store = source.at(parent).open()
         if name and store.exists(name):
             return parent, name
-        return source, None
+        return source.url, None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """(all ranks) Start a new load, optionally of another full checkpoint
         (``dcp.load(checkpoint_id=...)``)."""
         if checkpoint_id and normalize_path(checkpoint_id) != self.source:
             self.source = normalize_path(checkpoint_id)
-            root, self._file = self._locate(self.source, self.storage_options, self.config)
+            root, self._file = self._locate(Location.of(self.source, self.storage_options, self.config))
             self._metadata = None
             super().reset(root)
             return
@@ -333,8 +333,8 @@ def load_pretrained(
             raise ValueError("pass key_map or translate_function, not both")
         if dequantize_fp8:
             raise ValueError("translate_function loads whole tensors; dequantize_fp8 is not supported with it")
-        return _load_translated(model, path, translate_function, strict, uninitialized, storage_options,
-                                process_group, config)
+        reader = FullCheckpointReader(path, storage_options=storage_options, config=config)
+        return _load_translated(model, reader, translate_function, strict, uninitialized, process_group)
     block = block_shape(fp8_block_size)
     reader = FullCheckpointReader(path, key_map=key_map, dequantize_fp8=dequantize_fp8,
                                   storage_options=storage_options, config=config)
@@ -388,19 +388,17 @@ def load_pretrained(
 
 def _load_translated(
     model: nn.Module,
-    path: str | os.PathLike[str],
+    reader: FullCheckpointReader,
     translate_function: TranslateFunction,
     strict: bool,
     uninitialized: list[str],
-    storage_options: dict[str, Any] | None,
     process_group: Any,
-    config: IOConfig | None,
 ) -> PretrainedLoadReport:
     """(all ranks) :func:`load_pretrained` with SageMaker's state-dict
-    ``translate_function``: every tensor of the checkpoint read whole on every
+    ``translate_function``: every tensor of the checkpoint ``reader`` reads
+    (opened on its path, storage options and config) read whole on every
     rank, translated, then set into the (possibly sharded) model, each rank
     keeping its shard (``set_model_state_dict(full_state_dict=True)``)."""
-    reader = FullCheckpointReader(path, storage_options=storage_options, config=config)
     metadata = reader.read_metadata()
     whole = {
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype)

@@ -267,9 +267,8 @@ def save_hf(
         ValueError: The ranks' states differ, ``config_json`` is not JSON,
             ``dtype`` is not floating, or the group cannot send CPU tensors.
     """
-    return write_live_state(state, path, max_shard_size=max_shard_size, dtype=dtype, config_json=config_json,
-                            overwrite=overwrite, process_group=process_group, storage_options=storage_options,
-                            config=config)
+    return write_live_state(state, Location.of(path, storage_options, config), max_shard_size=max_shard_size,
+                            dtype=dtype, config_json=config_json, overwrite=overwrite, process_group=process_group)
 
 
 def export_hf(
@@ -306,33 +305,32 @@ def export_hf(
             missing or damaged source.
         InvalidPathError: ``path`` is ``source`` or a folder inside it.
     """
-    return write_partial(source, path, include_optimizer=include_optimizer, max_shard_size=max_shard_size,
-                         dtype=dtype, config_json=config_json, overwrite=overwrite, process_group=process_group,
-                         storage_options=storage_options, config=config)
+    target = Location.of(path, storage_options, config)
+    return write_partial(target.at(source), target, include_optimizer=include_optimizer,
+                         max_shard_size=max_shard_size, dtype=dtype, config_json=config_json, overwrite=overwrite,
+                         process_group=process_group)
 
 
 # -- the same with a file of the caller's committed just before the index ---------------
 def write_live_state(
     state: dict[str, Any],
-    path: str | os.PathLike[str],
+    path: Location,
     *,
     max_shard_size: int | str,
     dtype: torch.dtype | None,
     config_json: dict[str, Any] | str | None,
     overwrite: bool,
     process_group: Any,
-    storage_options: dict[str, Any] | None,
-    config: IOConfig | None,
     extra: tuple[Store, str, bytes] | None = None,
 ) -> HFExportReport:
-    """(all ranks) :func:`save_hf`; ``extra`` = ``(store, name, bytes)`` is
-    written by the coordinator just before the index (CheckpointManager's
+    """(all ranks) :func:`save_hf` into the folder ``path`` (its storage options
+    and I/O config); ``extra`` = ``(store, name, bytes)`` is written by the
+    coordinator just before the index (CheckpointManager's
     ``user_content_{tag}``) and deleted if the export fails."""
     started = time.perf_counter()
     _check_dtype(dtype)
     group = GroupView(process_group)
-    io_config = config or IOConfig.from_env()
-    store = Location.of(path, storage_options, io_config).open()
+    store = path.open()
     check_cpu_backend(group)
     live = LiveState(group, state, dtype)
     plan = _make_plan(live.tensors, group.world_size, max_shard_size, config_json, store.describe(), live.local_bytes)
@@ -342,8 +340,8 @@ def write_live_state(
 
 
 def write_partial(
-    source: str | os.PathLike[str],
-    path: str | os.PathLike[str],
+    source: Location,
+    path: Location,
     *,
     include_optimizer: bool,
     max_shard_size: int | str,
@@ -351,21 +349,19 @@ def write_partial(
     config_json: dict[str, Any] | str | None,
     overwrite: bool,
     process_group: Any,
-    storage_options: dict[str, Any] | None,
-    config: IOConfig | None,
     extra: tuple[Store, str, bytes] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> HFExportReport:
-    """(all ranks, or one process) :func:`export_hf`, with ``extra`` as for
+    """(all ranks, or one process) :func:`export_hf` of the checkpoint at
+    ``source`` into the folder ``path``, with ``extra`` as for
     :func:`write_live_state`; ``progress(done, total)`` after each tensor, in
     bytes of tensor data this rank writes."""
     started = time.perf_counter()
     _check_dtype(dtype)
-    refuse_output_in_source(os.fspath(source), os.fspath(path))
+    refuse_output_in_source(source.url, path.url)
     group = GroupView(process_group)
-    io_config = config or IOConfig.from_env()
-    store = Location.of(path, storage_options, io_config).open()
-    stored = StoredState(group, os.fspath(source), include_optimizer, dtype, storage_options, io_config)
+    store = path.open()
+    stored = StoredState(group, source, include_optimizer, dtype)
     plan = _make_plan(stored.tensors, group.world_size, max_shard_size, config_json, store.describe())
     return _export(group, store, plan, overwrite,
                    lambda sink: stored.run(sink, plan.files, plan.owners, group.rank, progress), started, extra)

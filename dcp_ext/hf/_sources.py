@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from .._runtime import GroupView
-from ..config import IOConfig
 from ..dcp_io import CheckpointReader, FrameStream
 from ..full import IntoTensor, exported_keys, whole_tensor_items
 from ..metadata import StoredItem
+from ..storage import Location
 from ._layout import Box, HFFile, HFTensor, Transfer, plan_transfers
 from ._sink import Assembled, FileSink
 
@@ -413,11 +413,11 @@ def _any_failed(group: GroupView, failed: bool) -> bool:
 
 
 class StoredState:
-    """The tensors of a partial checkpoint, read with ranged reads by the rank that writes them."""
+    """The tensors of the partial checkpoint at ``source``, read with ranged reads by the rank that writes them."""
 
-    def __init__(self, group: GroupView, source: str, include_optimizer: bool, cast_to: torch.dtype | None,
-                 storage_options: dict[str, Any] | None, config: IOConfig) -> None:
-        self.reader = CheckpointReader(source, storage_options=storage_options, config=config)
+    def __init__(self, group: GroupView, source: Location, include_optimizer: bool,
+                 cast_to: torch.dtype | None) -> None:
+        self.reader = CheckpointReader(source)
         if group.distributed:
             self.reader.metadata_group = (group.group,)  # the coordinator reads it once for all
         metadata = self.reader.read_metadata()

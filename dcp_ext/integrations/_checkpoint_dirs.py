@@ -3,8 +3,9 @@
 Frameworks test, list and delete checkpoint directories with ``os.path`` or
 fsspec without options, so on an S3 endpoint that needs ``storage_options``
 (or a compressed dcp_ext checkpoint, which has no torch ``.metadata`` yet)
-they see nothing. These helpers do the same through dcp_ext's stores, with
-the caller's ``storage_options``; deletion goes by dcp_ext's one rule
+they see nothing. These helpers do the same through dcp_ext's stores, on a
+:class:`~dcp_ext.storage.Location` the adapter makes of the path and its
+``storage_options``; deletion goes by dcp_ext's one rule
 (:func:`dcp_ext.root.delete_checkpoint_dir`), never by a recursive delete.
 Any rank may call them; none is collective.
 """
@@ -21,11 +22,10 @@ from dcp_ext._runtime import torch_notices_quieted
 from dcp_ext.errors import DcpExtError, PostCommitError, unwrap_checkpoint_exception
 from dcp_ext.metadata import METADATA_FILE, TORCH_METADATA_FILE
 from dcp_ext.root import delete_checkpoint_dir
-from dcp_ext.storage import Location, Store, join_path
+from dcp_ext.storage import Location, join_path
 
 __all__ = [
     "COMMIT_MARKERS",
-    "open_dir",
     "exists",
     "is_committed",
     "child_dirs",
@@ -44,49 +44,43 @@ log = logging.getLogger("dcp_ext.integrations")
 COMMIT_MARKERS = (METADATA_FILE, TORCH_METADATA_FILE, "model.safetensors.index.json")
 
 
-def open_dir(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Store:
-    """The dcp_ext store of directory ``path`` (local, ``s3://``, any registered or fsspec URL)."""
-    return Location.of(path, storage_options).open()
-
-
 def join(path: str | os.PathLike[str], name: str) -> str:
     """``path/name`` for local paths and URLs alike (URLs stay URLs)."""
     return join_path(path, name)
 
 
-def exists(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
-    """Whether ``path`` is a directory (or a prefix holding objects)."""
-    return open_dir(path, storage_options).root_exists()
+def exists(location: Location) -> bool:
+    """Whether ``location`` is a directory (or a prefix holding objects)."""
+    return location.open().root_exists()
 
 
-def is_committed(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
-    """Whether ``path`` holds a committed checkpoint (any of :data:`COMMIT_MARKERS`)."""
-    store = open_dir(path, storage_options)
+def is_committed(location: Location) -> bool:
+    """Whether ``location`` holds a committed checkpoint (any of :data:`COMMIT_MARKERS`)."""
+    store = location.open()
     return any(store.exists(marker) for marker in COMMIT_MARKERS)
 
 
-def child_dirs(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Names of the directories directly under ``path`` (``[]`` if it does not exist)."""
-    store = open_dir(path, storage_options)
+def child_dirs(location: Location) -> list[str]:
+    """Names of the directories directly under ``location`` (``[]`` if it does not exist)."""
+    store = location.open()
     if not store.root_exists():
         return []
     return sorted(store.list_dirs())
 
 
-def remove_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None,
-                      extra_files: Collection[str] = ()) -> None:
-    """Delete the checkpoint directory ``path`` by dcp_ext's one deletion rule
+def remove_checkpoint(location: Location, extra_files: Collection[str] = ()) -> None:
+    """Delete the checkpoint directory at ``location`` by dcp_ext's one deletion rule
     (:func:`dcp_ext.root.delete_checkpoint_dir`): a symbolic link is removed,
     not followed; only a checkpoint dcp_ext wrote is deleted, un-committed
     first, and of it only the files dcp_ext (or the adapter, ``extra_files``)
     wrote. A missing directory is not an error.
 
     Raises:
-        ForeignCheckpointError: ``path`` holds no checkpoint dcp_ext wrote
+        ForeignCheckpointError: ``location`` holds no checkpoint dcp_ext wrote
             (torch's own, a plain directory, a file); nothing was deleted.
-        CheckpointInUseError: A save to ``path`` is in progress; nothing was deleted.
+        CheckpointInUseError: A save to ``location`` is in progress; nothing was deleted.
     """
-    delete_checkpoint_dir(path, storage_options, extra_files=extra_files)
+    delete_checkpoint_dir(location, extra_files=extra_files)
 
 
 def save_alone(state: dict[str, Any], writer: Any) -> Any:

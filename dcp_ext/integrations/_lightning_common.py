@@ -19,6 +19,7 @@ import torch
 
 import dcp_ext
 from dcp_ext.errors import CheckpointNotFoundError, InvalidOptionError, InvalidPathError
+from dcp_ext.storage import Location
 from dcp_ext.whole_state import load_whole
 
 from . import _checkpoint_dirs as dirs
@@ -95,8 +96,9 @@ class CheckpointIOMixin:
                 f"not {type(map_location).__name__} ({os.fspath(path)})", os.fspath(path))
         text = checkpoint_dir(path)
         weights_only = True if weights_only is None else weights_only
-        if not dirs.is_committed(text, self.storage_options):
-            plain = _read_plain_file(text, self.storage_options)
+        location = Location.of(text, self.storage_options)
+        if not dirs.is_committed(location):
+            plain = _read_plain_file(location)
             if plain is not None:  # a file TorchCheckpointIO wrote: switching plug-ins keeps it loadable
                 loaded: dict[str, Any] = torch.load(io.BytesIO(plain), map_location=map_location or "cpu",
                                                     weights_only=weights_only)
@@ -122,19 +124,19 @@ class CheckpointIOMixin:
                 ``TorchCheckpointIO`` saved): nothing was deleted.
             CheckpointInUseError: A save to ``path`` is in progress.
         """
-        dirs.remove_checkpoint(path, self.storage_options)
+        dirs.remove_checkpoint(Location.of(path, self.storage_options))
 
 
-def _read_plain_file(path: str, storage_options: dict[str, Any]) -> bytes | None:
-    """The bytes of ``path`` if it is a file (not a directory), else ``None``."""
+def _read_plain_file(location: Location) -> bytes | None:
+    """The bytes at ``location`` if it is a file (not a directory), else ``None``."""
+    path = location.url  # normalized: without ``file://``
     if not _is_url(path):
-        path = path[len("file://"):] if path.startswith("file://") else path
         if not os.path.isfile(path):
             return None
         with open(path, "rb") as f:
             return f.read()
     parent, _, name = path.rstrip("/").rpartition("/")
-    store = dirs.open_dir(parent, storage_options)
+    store = location.at(parent).open()
     return store.read_file(name) if name and store.exists(name) else None
 
 
@@ -207,7 +209,8 @@ class ModelParallelMixin:
         )
 
         path = checkpoint_dir(str(self.broadcast(os.fspath(checkpoint_path))))
-        if not dirs.is_committed(path, self.storage_options):
+        location = Location.of(path, self.storage_options)
+        if not dirs.is_committed(location):
             if _is_url(path) or not os.path.isfile(path):
                 raise CheckpointNotFoundError(
                     f"no checkpoint at {path}: neither a committed distributed checkpoint (no "
@@ -224,7 +227,7 @@ class ModelParallelMixin:
         for i, opt in enumerate(optimizers):
             set_optimizer_state_dict(self.model, opt, optim_state_dict=state[f"optimizer_{i}"],
                                      options=StateDictOptions(cpu_offload=True))
-        raw = dirs.open_dir(path, self.storage_options).read_file(META_FILE)
+        raw = location.open().read_file(META_FILE)
         metadata: dict[str, Any] = torch.load(io.BytesIO(raw), weights_only=weights_only)
         return metadata
 
@@ -247,7 +250,7 @@ class ModelParallelMixin:
                 and not os.path.islink(path):
             super().remove_checkpoint(filepath)  # type: ignore[misc]
             return
-        dirs.remove_checkpoint(path, self.storage_options, extra_files=(META_FILE,))
+        dirs.remove_checkpoint(Location.of(path, self.storage_options), extra_files=(META_FILE,))
 
 
 class _MetaWriter:

@@ -34,6 +34,7 @@ import torch
 
 from dcp_ext.errors import CheckpointNotFoundError
 from dcp_ext.metadata import METADATA_FILE
+from dcp_ext.storage import Location
 from dcp_ext.whole_state import load_whole
 
 from . import _checkpoint_dirs as dirs
@@ -54,11 +55,12 @@ def checkpoint_dir(path: str | os.PathLike[str]) -> str:
     return text[: -len(marker)] if text.endswith(marker) else text
 
 
-def install_fsspec_defaults(url: str, storage_options: dict[str, Any]) -> None:
-    """Make ``storage_options`` fsspec's defaults for ``url``'s scheme, so that
-    file systems Lightning builds without options reach the same endpoint
-    with the same credentials. Defaults already set for the scheme that
-    differ are replaced, with a warning."""
+def install_fsspec_defaults(location: Location) -> None:
+    """Make ``location``'s storage options fsspec's defaults for its URL's
+    scheme, so that file systems Lightning builds without options reach the
+    same endpoint with the same credentials. Defaults already set for the
+    scheme that differ are replaced, with a warning."""
+    url, storage_options = location.url, location.storage_options
     if "://" not in url or url.startswith("file://") or not storage_options:
         return
     protocol = url.split("://", 1)[0]
@@ -89,8 +91,8 @@ class ModelCheckpointMixin:
     def __init__(self, *args: Any, storage_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self.storage_options = dict(storage_options or {})
         dirpath = kwargs.get("dirpath", args[0] if args else None)
-        if dirpath is not None:
-            install_fsspec_defaults(os.fspath(dirpath), self.storage_options)
+        if dirpath is not None and "://" in os.fspath(dirpath):  # a local dirpath needs no fsspec defaults
+            install_fsspec_defaults(Location.of(dirpath, self.storage_options))
         super().__init__(*args, **kwargs)
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
@@ -100,13 +102,13 @@ class ModelCheckpointMixin:
         if dirpath is None or "://" not in dirpath or dirpath.startswith("file://"):
             return super()._find_last_checkpoints(trainer)  # type: ignore[misc, no-any-return]
         pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(self.FILE_EXTENSION)}$")
-        store = dirs.open_dir(dirpath, self.storage_options)
+        where = Location.of(dirpath, self.storage_options)
+        store = where.open()
         if not store.root_exists():
             return set()
         names, directories = store.list_entries()
         found = {f"{dirpath.rstrip('/')}/{name}/{METADATA_FILE}" for name in directories
-                 if pattern.match(name) and dirs.open_dir(dirs.join(dirpath, name), self.storage_options).exists(
-                     METADATA_FILE)}
+                 if pattern.match(name) and where.child(name).open().exists(METADATA_FILE)}
         found |= {f"{dirpath.rstrip('/')}/{name}" for name in names if pattern.match(name)}  # TorchCheckpointIO files
         return found
 
@@ -138,11 +140,11 @@ def load_module(cls: Any, path: str | os.PathLike[str], *, storage_options: dict
     _load_state = importlib.import_module(f"{namespace}.core.saving")._load_state
 
     text = checkpoint_dir(path)
-    options = dict(storage_options or {})
-    if not dirs.is_committed(text, options):
+    location = Location.of(text, storage_options)
+    if not dirs.is_committed(location):
         raise CheckpointNotFoundError(f"no committed dcp_ext checkpoint at {text}", text)
-    state = load_whole(text, storage_options=options, weights_only=weights_only)
-    store = dirs.open_dir(text, options)
+    state = load_whole(text, storage_options=location.storage_options, weights_only=weights_only)
+    store = location.open()
     if store.exists(_META_FILE):  # the strategy's layout: tensors in the shards, the rest in meta.pt
         meta = torch.load(io.BytesIO(store.read_file(_META_FILE)), weights_only=weights_only)
         state = {**meta, "state_dict": state["state_dict"]}

@@ -96,6 +96,7 @@ from accelerate.utils import fsdp_utils as _accelerate_fsdp  # type: ignore[impo
 
 import dcp_ext
 from dcp_ext.errors import InvalidOptionError
+from dcp_ext.storage import Location
 
 from . import _checkpoint_dirs as dirs
 from ._io_options import io_config
@@ -330,11 +331,12 @@ def latest_checkpoint(root: str | os.PathLike[str], *, prefix: str = "checkpoint
 
     text = os.fspath(root)
     pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
+    where = Location.of(text, storage_options)
     found = []
-    for name in dirs.child_dirs(text, storage_options):
+    for name in dirs.child_dirs(where):
         match = pattern.match(name)
         folder = dirs.join(text, name)
         parts = (f"{MODEL_DIR}_0", f"{OPTIMIZER_DIR}_0", TRAINING_STATE_DIR)
-        if match and all(dirs.is_committed(dirs.join(folder, part), storage_options) for part in parts):
+        if match and all(dirs.is_committed(where.child(name).child(part)) for part in parts):
             found.append((int(match.group(1)), folder))
     return max(found)[1] if found else None

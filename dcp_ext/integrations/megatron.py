@@ -139,9 +139,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from dcp_ext.dcp_io import CheckpointReader, CheckpointWriter, run_load, run_save
 from dcp_ext.errors import CheckpointCorruptError, InvalidOptionError, NotACheckpointError
 from dcp_ext.format import parse_stored_json, resolve_codec
-from dcp_ext.storage import Store
+from dcp_ext.storage import Location, Store
 
-from . import _checkpoint_dirs as dirs
 from ._io_options import io_config
 from ._paths import location
 
@@ -328,10 +327,11 @@ class DcpExtLoadShardedStrategy(TorchDistLoadShardedStrategy):  # type: ignore[m
                 f"dcp_ext's Megatron load strategy reads backend version 1, not {loaded_version!r}")
 
 
-def _options(storage_options: Any) -> dict[str, Any]:
-    if storage_options is not None and not isinstance(storage_options, dict):
-        raise InvalidOptionError(f"storage_options must be a dict, not {type(storage_options).__name__}")
-    return dict(storage_options or {})
+def _options(given: Any) -> dict[str, Any]:
+    """The ``storage_options`` argument of a strategy, checked: a dict (``None``: no options)."""
+    if given is not None and not isinstance(given, dict):
+        raise InvalidOptionError(f"storage_options must be a dict, not {type(given).__name__}")
+    return dict(given or {})
 
 
 class _MegatronFiles:
@@ -425,7 +425,7 @@ def _read_config(store: Store) -> Any:
 
 
 def _checked_store(checkpoint_dir: str | os.PathLike[str], strategy: DcpExtLoadShardedStrategy) -> Store:
-    store = dirs.open_dir(location(checkpoint_dir), strategy.storage_options)
+    store = Location.of(location(checkpoint_dir), strategy.storage_options).open()
     config = _read_config(store)
     strategy.check_backend_compatibility(config.sharded_backend)
     strategy.check_version_compatibility(config.sharded_backend_version)

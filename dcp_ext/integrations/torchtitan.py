@@ -102,6 +102,7 @@ from torchtitan.tools.utils import GarbageCollection  # type: ignore[import-unty
 import dcp_ext
 from dcp_ext.dcp_io import run_save
 from dcp_ext.errors import InvalidOptionError
+from dcp_ext.storage import Location
 
 from . import _checkpoint_dirs as dirs
 from ._io_options import io_config
@@ -225,7 +226,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         """(rank 0, the purge thread) Delete ``step-N`` by dcp_ext's one rule
         (see the module doc); torchtitan's purge thread logs a refusal
         (``ForeignCheckpointError``, ``CheckpointInUseError``) and goes on."""
-        dirs.remove_checkpoint(path, self.storage_options)
+        dirs.remove_checkpoint(Location.of(path, self.storage_options))
 
     @torch.no_grad()
     def dcp_save(
@@ -280,18 +281,18 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
     def _find_load_step(self, folder: str = "") -> int:
         """The highest ``step-N`` under ``folder`` (default: the checkpoint
         folder) that holds a commit marker, or -1 (see the module doc)."""
-        folder = folder or self.folder
+        where = Location.of(folder or self.folder, self.storage_options)
         steps = []
-        for name in dirs.child_dirs(folder, self.storage_options):
+        for name in dirs.child_dirs(where):
             match = _STEP.search(name)
-            if match and dirs.is_committed(dirs.join(folder, name), self.storage_options):
+            if match and dirs.is_committed(where.child(name)):
                 steps.append(int(match.group(1)))
         return max(steps, default=-1)
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
         """(all ranks) torchtitan's ``_load``, with storage checks through dcp_ext."""
-        has_folder = dirs.exists(self.folder, self.storage_options)
+        has_folder = dirs.exists(Location.of(self.folder, self.storage_options))
         if step != -1 and not has_folder:
             raise FileNotFoundError(f"--checkpoint.load_step={step} not found because "
                                     f"checkpoint.folder {self.folder} does not exist")
@@ -303,13 +304,13 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
             from_quantized = self.initial_load_in_hf_quantized
             if self.initial_load_path:
                 checkpoint_id = self.initial_load_path
-                if not dirs.exists(checkpoint_id, self.storage_options):
+                if not dirs.exists(Location.of(checkpoint_id, self.storage_options)):
                     raise ValueError(f"Checkpoint.initial_load_path is invalid: {checkpoint_id}")
             elif from_hf:
                 assert self.sd_adapter and self.sd_adapter.hf_assets_path, (
                     "from_hf=True requires sd_adapter and hf_assets_path.")
                 checkpoint_id = self.sd_adapter.hf_assets_path
-                if not dirs.exists(checkpoint_id):
+                if not dirs.exists(Location.of(checkpoint_id)):
                     raise ValueError("model.hf_assets_path is being used to load HF weights but the path "
                                      "is not valid. Either make sure hf_assets_path is correct or provide "
                                      "a valid checkpoint.initial_load_path")
@@ -321,7 +322,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
             # ignore the initial_* options (torchtitan's fault-tolerance rule).
             model_only = load_step == 0
             checkpoint_id = self._create_checkpoint_id(load_step)
-            if not dirs.exists(checkpoint_id, self.storage_options):
+            if not dirs.exists(Location.of(checkpoint_id, self.storage_options)):
                 raise FileNotFoundError(f"--checkpoint.load_step={load_step} not found at {checkpoint_id}")
         logger.info(f"Loading the checkpoint from {checkpoint_id}.")
         begin = time.monotonic()
@@ -333,7 +334,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
 
     def _should_purge(self) -> bool:
         return (self.keep_latest_k > 0 and dist.get_rank() == 0
-                and dirs.exists(self.folder, self.storage_options))
+                and dirs.exists(Location.of(self.folder, self.storage_options)))
 
     def _purge_stale_checkpoints(self) -> None:
         """(rank 0) Queue every ``step-N`` but the newest ``keep_latest_k`` for
@@ -341,7 +342,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         asynchronous upload to S3 has no prefix until its first object)."""
         if not self._should_purge():
             return
-        names = set(dirs.child_dirs(self.folder, self.storage_options))
+        names = set(dirs.child_dirs(Location.of(self.folder, self.storage_options)))
         if self._saving is not None and self._saving.rstrip("/").startswith(self.folder.rstrip("/")):
             names.add(self._saving.rstrip("/").rsplit("/", 1)[-1])
         found = sorted(

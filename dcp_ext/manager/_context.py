@@ -13,6 +13,7 @@ from ..config import IOConfig
 from ..format import Codec
 from ..layout import MeshInfo
 from ..root import CheckpointRoot
+from ..storage import Location
 
 __all__ = ["Groups", "ManagerContext"]
 
@@ -59,22 +60,29 @@ class ManagerContext:
     """Where and how a manager's parts save and load (the same on every rank).
 
     Attributes:
-        root: The root URL, normalized.
-        storage_options: fsspec/s3fs options.
-        config: I/O tunables.
+        location: The root (URL, storage options, I/O config): every store
+            and checkpoint of the manager is opened from it.
         groups: The manager's process groups.
         mesh: The device mesh as plain data (``None``: none given).
         compression: Codec of partial checkpoints (``None``: raw).
         checkpoints: The root's tags, ``newest``, deletion.
     """
 
-    root: str
-    storage_options: dict[str, Any]
-    config: IOConfig
+    location: Location
     groups: Groups
     mesh: MeshInfo | None
     compression: Codec | None
     checkpoints: CheckpointRoot
+
+    @property
+    def root(self) -> str:
+        """The root URL, normalized."""
+        return self.location.url
+
+    @property
+    def config(self) -> IOConfig:
+        """I/O tunables."""
+        return self.location.config
 
     @property
     def process_group(self) -> Any:

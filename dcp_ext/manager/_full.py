@@ -24,7 +24,7 @@ from ..full import (
 )
 from ..hf import HF_INDEX_FILE, write_live_state, write_partial
 from ..layout import USER_CONTENT_FILE, user_content_name, validate_tag
-from ..storage import join_path, normalize_path
+from ..storage import normalize_path
 from ._context import ManagerContext
 from ._requests import NO_MODEL, ResumeResult, read_optional
 
@@ -78,9 +78,9 @@ class FullCheckpoints:
         ctx.group.run_on_coordinator(lambda: self._clear_full_file(tag, overwrite))
         store = ctx.checkpoints.store
         write_live_state(
-            state, join_path(ctx.root, tag), max_shard_size=max_shard_size, dtype=dtype, config_json=hf_config,
-            overwrite=overwrite, process_group=ctx.process_group, storage_options=ctx.storage_options,
-            config=ctx.config, extra=None if user_content is None else (store, user_content_name(tag), user_content),
+            state, ctx.location.child(tag), max_shard_size=max_shard_size, dtype=dtype, config_json=hf_config,
+            overwrite=overwrite, process_group=ctx.process_group,
+            extra=None if user_content is None else (store, user_content_name(tag), user_content),
         )
 
     def _clear_full_file(self, tag: str, overwrite: bool) -> None:
@@ -114,9 +114,10 @@ class FullCheckpoints:
                 f"no full checkpoint {store.describe(tag)}; saved tags with partial=False live at ROOT/<tag>",
                 store.describe(tag),
             )
+        folder = ctx.location.child(tag)
         load_pretrained(
-            model, join_path(ctx.root, tag), strict=strict, key_map=key_map, translate_function=translate_function,
-            storage_options=ctx.storage_options, process_group=ctx.process_group, config=ctx.config,
+            model, folder.url, strict=strict, key_map=key_map, translate_function=translate_function,
+            storage_options=folder.storage_options, process_group=ctx.process_group, config=folder.config,
         )
         raw = read_optional(store, user_content_name(tag))
         content = None if raw is None else decode_user_content(raw, store.describe(user_content_name(tag)))
@@ -145,9 +146,8 @@ class FullCheckpoints:
                 f"Checkpoint already exists at {target_store.describe(target_name)}; pass overwrite=True",
                 target_store.describe(target_name),
             )
-        export_partial(ctx.checkpoints.partial_url(tag), target_store, target_name, full_format=full_format,
-                       include_optimizer=include_optimizer, storage_options=ctx.storage_options,
-                       config=ctx.config, progress=progress)
+        export_partial(ctx.checkpoints.partial_location(tag), target_store, target_name, full_format=full_format,
+                       include_optimizer=include_optimizer, progress=progress)
         content = read_optional(ctx.checkpoints.partial_store(tag), USER_CONTENT_FILE)
         if content is not None and target_store is root_store:
             root_store.write_file(user_content_name(target_name), content)
@@ -169,21 +169,20 @@ class FullCheckpoints:
         extra = None
         if out is None or "/" not in out:
             name = validate_tag(out or tag)
-            folder = join_path(ctx.root, name)
+            folder = ctx.location.child(name)
             ctx.group.run_on_coordinator(lambda: self._clear_full_file(name, overwrite))
             content = ctx.group.run_on_coordinator(
                 lambda: read_optional(ctx.checkpoints.partial_store(tag), USER_CONTENT_FILE))
             if content is not None:
                 extra = (ctx.checkpoints.store, user_content_name(name), content)
         else:
-            folder = normalize_path(out)
+            folder = ctx.location.at(out)
         write_partial(
-            ctx.checkpoints.partial_url(tag), folder, include_optimizer=include_optimizer,
+            ctx.checkpoints.partial_location(tag), folder, include_optimizer=include_optimizer,
             max_shard_size=max_shard_size, dtype=dtype, config_json=hf_config, overwrite=overwrite,
-            process_group=ctx.process_group, storage_options=ctx.storage_options, config=ctx.config,
-            extra=extra, progress=progress,
+            process_group=ctx.process_group, extra=extra, progress=progress,
         )
-        return folder
+        return folder.url
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

@@ -153,16 +153,16 @@ class CheckpointManager:
         self.root = location.url
         self.retention = retention
         self.async_uploads = async_uploads
-        storage_options, config = location.storage_options, location.config
-        groups = Groups(process_group, config.collective_timeout)
+        groups = Groups(process_group, location.config.collective_timeout)
         if tier_options.local_tier is not None:
             groups = groups.for_tiers()
         self.checkpoints = CheckpointRoot(location)
         self._ctx = ManagerContext(
-            self.root, storage_options, config, groups, MeshInfo.from_device_mesh(mesh) if mesh is not None else None,
+            location, groups, MeshInfo.from_device_mesh(mesh) if mesh is not None else None,
             resolve_codec(compression), self.checkpoints,
         )
-        self.storage_options, self.config, self.compression = storage_options, config, self._ctx.compression
+        self.storage_options, self.config = location.storage_options, location.config
+        self.compression = self._ctx.compression
         self.process_group, self.group = groups.process_group, groups.view
         self._in_flight = InFlight(stager)
         self._partial = PartialCheckpoints(self._ctx, self._in_flight, self.incremental_options, async_uploads)

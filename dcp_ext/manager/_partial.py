@@ -105,8 +105,8 @@ class PartialCheckpoints:
         # upload runs them in DCP's checkpoint process.
         incremental = self._incremental_save(request.tag) if self.incremental.enabled else None
         writer = CheckpointWriter(
-            ctx.checkpoints.partial_url(request.tag), storage_options=ctx.storage_options,
-            overwrite=request.overwrite, config=ctx.config, before_commit=CommitFiles(request.user_content, planner),
+            ctx.checkpoints.partial_location(request.tag),
+            overwrite=request.overwrite, before_commit=CommitFiles(request.user_content, planner),
             after_commit=PostCommit(ctx.checkpoints, request.tag, request.policy), compression=ctx.compression,
             incremental=incremental,
         )
@@ -247,8 +247,7 @@ class PartialCheckpoints:
         and its per-rank state by ``rank_state_rule`` (:mod:`dcp_ext.planning._rank_state`)."""
         ctx = self.ctx
         if reader is None:
-            reader = CheckpointReader(ctx.checkpoints.partial_url(tag), storage_options=ctx.storage_options,
-                                      config=ctx.config, process_group=ctx.group.group)
+            reader = CheckpointReader(ctx.checkpoints.partial_location(tag), process_group=ctx.group.group)
         state = app_state(model, optimizer)
 
         def small_files() -> tuple[bytes | None, bytes | None]:

@@ -17,7 +17,7 @@ from torch import nn
 from ..config import IOConfig
 from ..dcp_io import AsyncSaveHandle
 from ..full import KeyMap, TranslateFunction
-from ..storage import normalize_path
+from ..storage import Location
 from ._manager import CheckpointManager
 from ._requests import ResumeResult
 
@@ -88,7 +88,7 @@ def save_checkpoint(
     manager_args = {
         k: kwargs.pop(k) for k in _MANAGER_ARGS if k in kwargs
     }
-    manager = _shared_manager(path, storage_options, manager_args)
+    manager = _shared_manager(Location.of(path, storage_options, manager_args.get("config")), manager_args)
     return manager.save(
         tag, model, optimizer, user_content, partial=partial,
         num_kept_partial_checkpoints=num_kept_partial_checkpoints, async_save=async_save,
@@ -103,22 +103,22 @@ _MANAGER_ARGS = ("process_group", "mesh", "config", "compression", "async_upload
 _SHARED_MANAGERS: dict[tuple[Any, ...], CheckpointManager] = {}
 
 
-def _shared_manager(
-    path: str | os.PathLike[str], storage_options: dict[str, Any] | None, manager_args: dict[str, Any]
-) -> CheckpointManager:
+def _shared_manager(root: Location, manager_args: dict[str, Any]) -> CheckpointManager:
+    """The manager of ``root`` (its URL and storage options) and ``manager_args``, made on first use."""
+
     def identity(value: Any) -> Any:
         # Process groups, meshes and codecs by identity: the cached manager
         # holds them, so their ids cannot be reused while it exists.
         return value if isinstance(value, (str, int, float, bool, type(None), IOConfig)) else ("id", id(value))
 
     key = (
-        normalize_path(path),
-        repr(sorted((storage_options or {}).items())),
+        root.url,
+        repr(sorted(root.storage_options.items())),
         tuple(sorted((k, identity(v)) for k, v in manager_args.items())),
     )
     manager = _SHARED_MANAGERS.get(key)
     if manager is None:
-        manager = _SHARED_MANAGERS[key] = CheckpointManager(path, storage_options=storage_options, **manager_args)
+        manager = _SHARED_MANAGERS[key] = CheckpointManager(root, **manager_args)
     return manager
 
 

@@ -253,8 +253,7 @@ class TieredCheckpoints:
             with self._watched(self._drain_group, DRAIN_PHASES, "drain", self.ctx.checkpoints.partial_url(tag),
                                lambda step: _drain_outcome(tag, step, self.ctx.root)) as phase:
                 drain(self.local, self.ctx.checkpoints, tag, GroupView(self._drain_group), policy,
-                      max_chain=self.incremental.max_chain if self.incremental.enabled else None,
-                      storage_options=self.ctx.storage_options, phase=phase)
+                      max_chain=self.incremental.max_chain if self.incremental.enabled else None, phase=phase)
         except BaseException as err:
             log.warning("checkpoint %r stays in the local tier only: drain to %s failed: %s", tag, self.ctx.root, err)
             raise
@@ -354,8 +353,7 @@ class TieredCheckpoints:
         in its own tier; read-once could make a rank owner of bytes only
         another node holds locally, so it is off."""
         store = TieredStore(sources)
-        return CheckpointReader(store.describe(), storage_options=self.ctx.storage_options, config=self.ctx.config,
-                                store=store, read_once=False)
+        return CheckpointReader(self.ctx.location.at(store.describe()), store=store, read_once=False)
 
     @contextlib.contextmanager
     def _watched(self, group: Any, steps: tuple[str, ...], what: str, path: str,

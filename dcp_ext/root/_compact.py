@@ -103,14 +103,14 @@ def compact(
         CheckpointCorruptError: The metadata, an index or a file is damaged or missing.
     """
     location = Location.of(path, storage_options, config)
-    config, url, storage_options = location.config, location.url, location.storage_options
+    config = location.config
     store = location.open()
-    decoded = read_own_metadata(store, storage_options, config)
+    decoded = read_own_metadata(location, store)
     section = decoded.incremental
     locations = decoded.metadata.storage_data
     if section is None or not section.references or not isinstance(locations, ChunkLocations):
         return CompactReport(store.url)
-    reader = CheckpointReader(url, storage_options=storage_options, config=config, store=store)
+    reader = CheckpointReader(location, store=store)
     attach_frame_indexes(
         locations, list(decoded.files), decoded.frame_indexes,
         lambda name, ref: store.read_range(name, ref.at, ref.length, allow_short=True), store.describe,

@@ -436,8 +436,8 @@ class CheckpointRoot:
                                               self.partial_url(tag))
             directory = partial_dir(tag)
             others = {file for d, file in scan.referenced(exclude={tag}) if d == directory}
-            report = compact(self.partial_url(tag), storage_options=self.storage_options, config=self.config,
-                             referenced_elsewhere=others, before_write=lambda: self.store.write_file(marker, b"{}"))
+            report = compact(self.partial_location(tag), referenced_elsewhere=others,
+                             before_write=lambda: self.store.write_file(marker, b"{}"))
             if report.changed and not report.kept_old:
                 self.store.delete(marker)
         finally:

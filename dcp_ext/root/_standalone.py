@@ -47,7 +47,7 @@ from ..guard import LOCK_FILE, SaveLock, file_state, stale_lock_seconds
 from ..layout import DATA_SUFFIX, NEWEST_FILE, PARTIAL_SUFFIX, PARTITION_FILE, USER_CONTENT_FILE
 from ..metadata import METADATA_FILE, TORCH_METADATA_FILE, decode_metadata
 from ..metadata.document import REFERENCE_PREFIX
-from ..storage import Location, Store, TMP_MARK, normalize_path
+from ..storage import Location, Store, TMP_MARK
 
 __all__ = ["DirDeletion", "delete_checkpoint_dir"]
 
@@ -79,7 +79,7 @@ class DirDeletion:
 
 
 def delete_checkpoint_dir(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Location,
     storage_options: dict[str, Any] | None = None,
     *,
     extra_files: Collection[str] = (),
@@ -89,7 +89,9 @@ def delete_checkpoint_dir(
 
     Args:
         path: Local path (a symbolic link is removed, not followed),
-            ``s3://`` or fsspec URL; a trailing ``/`` changes nothing.
+            ``s3://`` or fsspec URL; a trailing ``/`` changes nothing. Or a
+            :class:`~dcp_ext.storage.Location` (then its storage options and
+            config are used).
         storage_options: fsspec/s3fs options.
         extra_files: Names the caller's adapter wrote into the checkpoint
             through dcp_ext besides DCP's items (Lightning's ``meta.pt``,
@@ -110,7 +112,8 @@ def delete_checkpoint_dir(
             (delete it with :meth:`CheckpointRoot.delete`, which keeps the
             files the root's other checkpoints refer to).
     """
-    text = normalize_path(path)
+    location = Location.of(path, storage_options, config)
+    text = location.url
     is_url = "://" in text
     if not is_url:
         bare = text.rstrip("/") or text  # "last.ckpt/" would resolve the link; the user named the link
@@ -124,12 +127,12 @@ def delete_checkpoint_dir(
                 f"{bare} is a file, not a checkpoint directory dcp_ext wrote (a torch.save file, such as "
                 f"Lightning's TorchCheckpointIO writes?); dcp_ext deletes only checkpoints it wrote and deleted "
                 f"nothing: delete it yourself if you mean to", bare)
-    store = Location.of(text, storage_options, config).open()
+    store = location.open()
     if not store.root_exists():
         if is_url:
-            _refuse_object(text, storage_options, store.config)
+            _refuse_object(location)
         return DirDeletion(text)
-    _check_ours(store, text, storage_options)
+    _check_ours(location, store)
     lock = SaveLock(store, f"delete-{uuid.uuid4().hex}", store.config)
     try:
         lock.acquire()  # an abandoned one is taken over: a failed save's leftovers
@@ -142,7 +145,7 @@ def delete_checkpoint_dir(
     try:
         listed = store.list_tree()  # stable while we hold the lock; local: never inside a linked directory
         if METADATA_FILE not in listed and TORCH_METADATA_FILE in listed:
-            _check_ours(store, text, storage_options)  # a torch writer's meanwhile: refused, nothing changed
+            _check_ours(location, store)  # a torch writer's meanwhile: refused, nothing changed
         own = _files_to_delete(store, listed, extra_files)  # read before the commit markers go
         for name in (TORCH_METADATA_FILE, METADATA_FILE):  # un-commit: the reverse of the commit order
             uncommitted = True
@@ -168,8 +171,9 @@ def delete_checkpoint_dir(
     return DirDeletion(text, deleted=tuple(deleted), kept=kept)
 
 
-def _check_ours(store: Store, text: str, storage_options: dict[str, Any] | None) -> None:
-    """Raise unless ``store`` holds dcp_ext's commit marker or a save lock (see :func:`delete_checkpoint_dir`)."""
+def _check_ours(location: Location, store: Store) -> None:
+    """Raise unless ``store`` (opened at ``location``) holds dcp_ext's commit marker or a save lock
+    (see :func:`delete_checkpoint_dir`)."""
     if store.exists(METADATA_FILE):
         return
     if store.exists(TORCH_METADATA_FILE):  # dcp_ext writes torch's marker after its own, removes it first
@@ -179,10 +183,10 @@ def _check_ours(store: Store, text: str, storage_options: dict[str, Any] | None)
             f"yourself if you mean to", store.url)
     if store.exists(LOCK_FILE):
         return
-    name = text.rstrip("/").rpartition("/")[2]
-    parent = _parent(text)
+    name = location.name
+    parent = _parent(location.url)
     if name.endswith(PARTIAL_SUFFIX) and parent is not None:
-        if Location(parent, storage_options or {}, store.config).open().exists(NEWEST_FILE):
+        if location.at(parent).open().exists(NEWEST_FILE):
             tag = name[: -len(PARTIAL_SUFFIX)]
             raise InvalidPathError(
                 f"{store.url} is the directory of tag {tag!r} in the checkpoint root {parent}; delete it with "
@@ -203,11 +207,12 @@ def _parent(text: str) -> str | None:
     return parent if parent.partition("://")[2] else None
 
 
-def _refuse_object(text: str, storage_options: dict[str, Any] | None, config: IOConfig) -> None:
+def _refuse_object(location: Location) -> None:
     """(a URL naming no directory) Raise if it names a file (object): not a checkpoint dcp_ext wrote."""
+    text = location.url
     parent = _parent(text)
-    name = text.rstrip("/").rpartition("/")[2]
-    if parent is not None and Location(parent, storage_options or {}, config).open().exists(name):
+    name = location.name
+    if parent is not None and location.at(parent).open().exists(name):
         raise ForeignCheckpointError(
             f"{text} is a file, not a checkpoint directory dcp_ext wrote (a torch.save file, such as "
             f"Lightning's TorchCheckpointIO writes?); dcp_ext deletes only checkpoints it wrote and deleted "

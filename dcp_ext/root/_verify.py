@@ -114,10 +114,9 @@ def _key(index: MetadataIndex) -> str:
     return index.fqn if index.offset is None else f"{index.fqn}@{tuple(index.offset)}"
 
 
-def read_own_metadata(
-    store: Store, storage_options: dict[str, Any] | None = None, config: IOConfig | None = None
-) -> DecodedMetadata:
-    """Decode the dcp_ext metadata of the checkpoint at ``store``.
+def read_own_metadata(location: Location, store: Store | None = None) -> DecodedMetadata:
+    """Decode the dcp_ext metadata of the checkpoint at ``location``, read
+    through ``store`` (its store, already open) if given.
 
     Raises:
         CheckpointNotFoundError, CheckpointIncompleteError, NotACheckpointError:
@@ -126,10 +125,11 @@ def read_own_metadata(
             checkpoint is there).
         CheckpointCorruptError: The metadata is damaged.
     """
+    store = store or location.open()
     try:
         raw = store.read_file(METADATA_FILE)
     except CheckpointNotFoundError:
-        CheckpointReader(store.url, storage_options=storage_options, config=config).read_metadata()
+        CheckpointReader(location.at(store.url)).read_metadata()
         raise CheckpointNotFoundError(
             f"{store.describe()} was written by torch's own writer and has no dcp_ext "
             f"metadata, so it has no checksums to verify or codecs to list (CheckpointReader loads it)",
@@ -203,9 +203,8 @@ def verify(
             be checked without it).
     """
     location = Location.of(path, storage_options, config)
-    config, url, storage_options = location.config, location.url, location.storage_options
     store = location.open()
-    decoded = read_own_metadata(store, storage_options, config)
+    decoded = read_own_metadata(location, store)
     storage: dict[MetadataIndex, StoredItem] = decoded.metadata.storage_data
     problems: list[Problem] = []
     by_file: dict[str, list[tuple[MetadataIndex, StoredItem]]] = {}
@@ -242,11 +241,11 @@ def verify(
         readable[name] = entries
 
     _attach_indexes(store, decoded, readable, truncated, problems)
-    reader = CheckpointReader(url, storage_options=storage_options, config=config, store=store)
+    reader = CheckpointReader(location, store=store)
     references = sorted(decoded.incremental.references) if decoded.incremental is not None else []
     missing_references = _missing_references(reader, references)
     checked = _check_frames(store, reader, readable, ChunkShapes(decoded.metadata.state_dict_metadata),
-                            missing_references, problems, config, progress)
+                            missing_references, problems, location.config, progress)
     for name, keys in missing_references.items():
         problems.append(Problem(name, 0, 0, tuple(keys), f"{reader.describe(name)} is missing: this incremental "
                                 "checkpoint refers to its frames (it was deleted by hand, or copied without it)"))

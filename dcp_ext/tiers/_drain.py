@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from .._runtime import GroupView, crash_point, validate_relative_name
 from ..errors import DcpExtError
@@ -56,7 +55,6 @@ def drain(
     group: GroupView,
     policy: RetentionPolicy | None,
     max_chain: int | None = None,
-    storage_options: dict[str, Any] | None = None,
     phase: Callable[[str], None] | None = None,
 ) -> int:
     """(all ranks of ``group``) Copy the locally committed ``tag`` to the
@@ -74,6 +72,9 @@ def drain(
     root's metadata refers to that checkpoint's files for the others
     (:mod:`dcp_ext.tiers._incremental_drain`); without a usable base it copies
     byte for byte.
+
+    Every store of the root is opened from ``persistent``'s location (its
+    storage options and I/O config).
 
     ``phase`` is told each step this rank enters (:data:`DRAIN_PHASES`), for
     the caller's watch (:mod:`dcp_ext._runtime.rank_watch`): a peer still
@@ -117,8 +118,7 @@ def drain(
                     crash_point("mid_drain")
             else:
                 decoded = decode_metadata(local.read_file(METADATA_FILE), where)
-                share_of = rewrite_files(local, target, mine[share::len(node_ranks)], decoded, base, persistent,
-                                         persistent.config, storage_options or {})
+                share_of = rewrite_files(local, target, mine[share::len(node_ranks)], decoded, base, persistent)
                 written = share_of.written
         except DcpExtError as err:
             error = err

@@ -72,7 +72,6 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import xxhash
@@ -89,7 +88,6 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from .._runtime import crash_point, validate_relative_name
-from ..config import IOConfig
 from ..errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -232,12 +230,12 @@ def rewrite_files(
     decoded: DecodedMetadata,
     base: DrainBase,
     persistent: CheckpointRoot,
-    config: IOConfig,
-    storage_options: dict[str, Any],
 ) -> RewrittenFiles:
     """(each rank) Write the local data files ``names`` of a checkpoint to
     ``target`` holding only the frames the base does not (see the module
-    docstring). Each copied frame's checksum is checked on the way.
+    docstring). Each copied frame's checksum is checked on the way. The
+    base's frames are read from ``persistent``'s location (its storage
+    options and I/O config).
 
     Raises:
         ChecksumMismatchError: A local frame is damaged (the drain fails; the tag stays local).
@@ -265,7 +263,7 @@ def rewrite_files(
     attach_frame_indexes(
         locations, sorted(by_file), decoded.frame_indexes,
         lambda name, ref: local.read_range(name, ref.at, ref.length, allow_short=True), local.describe,
-        config.max_concurrency,
+        persistent.config.max_concurrency,
     )
     items: list[tuple[MetadataIndex, StoredItem]] = []
     referenced: dict[str, int] = {}

@@ -113,6 +113,7 @@ def _torchtitan_purge(root: str) -> dict[str, Any]:
 
     from dcp_ext.integrations import _checkpoint_dirs as dirs
     from dcp_ext.integrations.torchtitan import DcpExtCheckpointManager
+    from dcp_ext.storage import Location
     from tests.support.compare import state_diff
     from tests.support.torchtitan_workers import Job
 
@@ -135,7 +136,8 @@ def _torchtitan_purge(root: str) -> dict[str, Any]:
         "steps": sorted(os.listdir(folder)),
         "foreign_same": file_tree(foreign) == foreign_before,
         "step1": file_tree(os.path.join(folder, "step-1")),
-        "committed": {name: dirs.is_committed(os.path.join(folder, name)) for name in sorted(os.listdir(folder))},
+        "committed": {name: dirs.is_committed(Location.of(os.path.join(folder, name)))
+                      for name in sorted(os.listdir(folder))},
         "resumed": {},
     }
     for step in (3, 4):

@@ -121,9 +121,9 @@ def lightning_suite(rank: int, world_size: int, local_root: str, s3_root: str,
     import lightning.pytorch as L
     import pytorch_lightning as PL
 
-    from dcp_ext.integrations import _checkpoint_dirs as dirs
     from dcp_ext.integrations.lightning import DcpExtModelParallelStrategy
     from dcp_ext.integrations.pytorch_lightning import DcpExtCheckpointIO
+    from dcp_ext.storage import Location
 
     def ours(**kwargs: Any) -> Any:
         return DcpExtModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, **kwargs)
@@ -200,5 +200,5 @@ def lightning_suite(rank: int, world_size: int, local_root: str, s3_root: str,
     if rank == 0:
         out["ddp_listing"] = sorted(os.listdir(ddp_ckpts))
         out["fsdp_listing"] = sorted(os.listdir(ckpts))
-        out["s3_files"] = sorted(dirs.open_dir(url, storage_options).list_names())
+        out["s3_files"] = sorted(Location.of(url, storage_options).open().list_names())
     return out

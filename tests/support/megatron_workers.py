@@ -173,8 +173,8 @@ def megatron_suite(rank: int, world: int, local_root: str, s3_root: str,
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    from dcp_ext.integrations import _checkpoint_dirs as dirs
     from dcp_ext.integrations import megatron as dcp_megatron
+    from dcp_ext.storage import Location
     from tests.support.compare import state_diff
 
     ours, ours_load = dcp_megatron.DcpExtSaveShardedStrategy, dcp_megatron.DcpExtLoadShardedStrategy
@@ -260,8 +260,8 @@ def megatron_suite(rank: int, world: int, local_root: str, s3_root: str,
     if rank == 0:
         out["files"] = {name: sorted(os.listdir(path)) for name, path in paths.items()}
         out["configs"] = {name: open(os.path.join(path, "metadata.json")).read() for name, path in paths.items()}
-        out["s3_files"] = sorted(dirs.open_dir(s3_zstd, opts).list_names())
-        out["s3_config"] = dirs.open_dir(s3_zstd, opts).read_file("metadata.json").decode()
+        out["s3_files"] = sorted(Location.of(s3_zstd, opts).open().list_names())
+        out["s3_config"] = Location.of(s3_zstd, opts).open().read_file("metadata.json").decode()
     return out
 
 

@@ -142,6 +142,7 @@ def torchtitan_suite(rank: int, world_size: int, local_root: str, s3_root: str,
 
     from dcp_ext.integrations import _checkpoint_dirs as dirs
     from dcp_ext.integrations.torchtitan import DcpExtCheckpointManager
+    from dcp_ext.storage import Location
 
     out: dict[str, Any] = {}
     ours = DcpExtCheckpointManager
@@ -162,12 +163,12 @@ def torchtitan_suite(rank: int, world_size: int, local_root: str, s3_root: str,
     dist.barrier()
     if rank == 0:
         out["listings"] = {
-            "zstd": dirs.child_dirs(os.path.join(local_root, "zstd")),
+            "zstd": dirs.child_dirs(Location.of(os.path.join(local_root, "zstd"))),
             "use_for_dcp_markers": sorted(os.listdir(os.path.join(local_root, "use", "step-6"))),
             "ours_data_files": sorted(n for n in os.listdir(os.path.join(local_root, "ours", "step-6"))
                                       if n.endswith(".distcp")),
-            "s3": dirs.child_dirs(f"{s3_root}/async", storage_options),
-            "s3_markers": sorted(n for n in dirs.open_dir(f"{s3_root}/async/step-6", storage_options).list_names()
+            "s3": dirs.child_dirs(Location.of(f"{s3_root}/async", storage_options)),
+            "s3_markers": sorted(n for n in Location.of(f"{s3_root}/async/step-6", storage_options).open().list_names()
                                  if not n.endswith(".distcp")),
         }
     return out

@@ -122,6 +122,36 @@ def test_plan_read_once_spreads_and_splits() -> None:
     assert parts[0].batches == max(s.batch for p in parts for s in p.sends) + 1 >= 2
 
 
+def test_automatic_read_once_skips_exchanges_that_spare_little() -> None:
+    """``read_once=None``: a small load sharing only small values reads them
+    on each rank; a large share, or a large world, still exchanges."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from dcp_ext.dcp_io._read_once import AUTO_MIN_SAVED_PER_RANK, AUTO_SMALL_WORLD, auto_min_saved
+
+    def item(fqn: str, rows: int) -> ReadItem:
+        return ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, (0, 0)), torch.Size((0, 0)),
+                        MetadataIndex(fqn, (0, 0)), torch.Size((0, 0)), torch.Size((rows, 1024)))
+
+    def plan(rows: int, world: int) -> list[LoadPlan]:
+        plans = [LoadPlan([item("norm", rows), item(f"own{rank}", 64)]) for rank in range(world)]
+        # Only "norm" is shared; each rank's own shard is not.
+        return plan_read_once(plans, lambda i: int(i.lengths[0]) * 4096,
+                              lambda i: ("f", i.storage_index.fqn, tuple(i.storage_offsets)), 8 << 20,
+                              min_saved=auto_min_saved(world))
+
+    assert auto_min_saved(2) == 2 * AUTO_MIN_SAVED_PER_RANK
+    assert auto_min_saved(AUTO_SMALL_WORLD + 1) == 0
+    small = plan(4, 2)  # 16 KiB shared by 2 ranks
+    assert all(p.storage_data is None for p in small)
+    assert [len(p.items) for p in small] == [2, 2]
+    large = plan(1024, 2)  # 4 MiB shared by 2 ranks: spares 4 MiB
+    assert all(isinstance(p.storage_data, RankExchange) for p in large)
+    wide = plan(4, AUTO_SMALL_WORLD + 1)
+    assert all(isinstance(p.storage_data, RankExchange) for p in wide)
+
+
 def test_a_rank_killed_mid_exchange_stops_the_others_quickly(tmp_path: Path) -> None:
     """Rank 2 of 4 is SIGKILLed as the second exchange batch starts: the other
     three raise ReadOnceExchangeError (dcp_ext.load raises it; stock dcp.load

@@ -290,6 +290,46 @@ def test_decode_v3_refuses_a_chunk_outside_its_tensor(column: int, value: int) -
         decode_metadata(damaged, "doc")
 
 
+@pytest.mark.parametrize("rows", [3, 8, 9, 40])
+def test_chunk_bounds_are_checked_for_few_and_many_chunks(rows: int) -> None:
+    """Up to 8 chunks a key's bounds are checked in Python, past that on the
+    arrays: both refuse any chunk outside the tensor, overflowing values too."""
+    from dcp_ext.metadata.chunk_table import columns_of
+
+    shape = [4 * rows, 6]
+    offsets = np.array([[4 * r for r in range(rows)], [0] * rows], dtype=np.int64)
+    sizes = np.array([[4] * rows, [6] * rows], dtype=np.int64)
+    assert columns_of(offsets, sizes, shape, "w", "doc").offsets.tolist() == offsets.T.tolist()
+    for dim, column, value in ((0, rows - 1, 4 * rows - 3), (1, 0, -1), (1, rows // 2, 2**62)):
+        bad = offsets.copy()
+        bad[dim, column] = value
+        with pytest.raises(CheckpointCorruptError, match=r"chunk of 'w' lies outside the tensor's size"):
+            columns_of(bad, sizes, shape, "w", "doc")
+    huge = sizes.copy()
+    huge[0, rows - 1] = 2**63 - 1
+    with pytest.raises(CheckpointCorruptError, match=r"chunk of 'w' lies outside"):
+        columns_of(offsets, huge, shape, "w", "doc")
+
+
+def test_chunk_columns_keep_the_objects_of_few_chunks() -> None:
+    """torch's planner walks a tensor's chunks several times: up to
+    KEPT_CHUNKS chunks the same objects come back, past that new ones equal
+    to them; both equal the arrays' rows, and pickling keeps only the arrays."""
+    import pickle
+
+    from dcp_ext.metadata.chunk_columns import KEPT_CHUNKS
+
+    for rows in (1, KEPT_CHUNKS, KEPT_CHUNKS + 1):
+        chunks = [_chunk((r, 0), (1, 5)) for r in range(rows)]
+        columns = ChunkColumns.of(chunks, 2)
+        assert list(columns) == chunks and [columns[r] for r in range(rows)] == chunks
+        assert columns[-1] == chunks[-1]
+        kept = rows <= KEPT_CHUNKS
+        assert (next(iter(columns)) is columns[0]) == kept
+        again = pickle.loads(pickle.dumps(columns))
+        assert again == columns and list(again) == chunks
+
+
 def test_decode_v3_refuses_a_key_outside_the_table() -> None:
     document, _ = _document(_TENSORS)
     doc = json.loads(document)

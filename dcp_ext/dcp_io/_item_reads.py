@@ -14,6 +14,7 @@ writers are read whole and decoded (:mod:`dcp_ext.format`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -277,44 +278,31 @@ class ItemReads:
     def _prepare_tensor(self, read_item: ReadItem, info: StoredItem, planner: LoadPlanner) -> Pending:
         fqn = read_item.storage_index.fqn
         dtype, chunk_sizes = self.chunk(read_item)
-        lengths = tuple(int(n) for n in read_item.lengths)
-        offsets = tuple(int(o) for o in read_item.storage_offsets)
-        shape = box_runs(chunk_sizes, offsets, lengths)
+        lengths = tuple(map(int, read_item.lengths))
+        offsets = tuple(map(int, read_item.storage_offsets))
         esize = dtype.itemsize
-        if info.raw_size != numel(chunk_sizes) * esize:
+        elements = numel(chunk_sizes)
+        if info.raw_size != elements * esize:
             raise CheckpointCorruptError(
                 f"checkpoint {self.path}: stored chunk of {fqn!r} holds {info.raw_size} "
                 f"bytes, but a {dtype} chunk of shape {chunk_sizes} needs "
-                f"{numel(chunk_sizes) * esize}",
+                f"{elements * esize}",
                 self.path,
             )
         target = self._target(read_item, planner, lengths)
-
-        def commit() -> None:
-            planner.commit_tensor(read_item, target)
-
+        commit = functools.partial(planner.commit_tensor, read_item, target)
+        if lengths == chunk_sizes and not any(offsets):
+            # The whole stored chunk (a load in the layout it was saved in):
+            # one run from its first byte, nothing to work out.
+            if not elements:
+                return Pending([], 0, commit, lambda: torch.empty(lengths, dtype=dtype))
+            return self._prepare_runs(read_item, info, target, dtype, [0], elements * esize, commit)
+        shape = box_runs(chunk_sizes, offsets, lengths)
         if shape.runs == 0:
             return Pending([], 0, commit, lambda: torch.empty(lengths, dtype=dtype))
-        direct = lands_directly(target, dtype)
         if shape.runs == 1 or (shape.run * esize >= self.files.store.coalesce_gap and shape.runs <= _MAX_RUNS):
-            box = target if direct else torch.empty(lengths, dtype=dtype)
-            view = tensor_bytes(box)
-            run_bytes = shape.run * esize
-            runs = [
-                (start * esize, view[i * run_bytes : (i + 1) * run_bytes])
-                for i, start in enumerate(run_starts(shape, offsets, lengths))
-            ]
-            if direct:
-                pending = self._fetch(read_item, info, runs, 0, commit)
-            else:
-
-                def finish_box() -> None:
-                    target.copy_(box)
-                    commit()
-
-                pending = self._fetch(read_item, info, runs, view.nbytes, finish_box)
-            pending.payload = lambda: box
-            return pending
+            starts = [start * esize for start in run_starts(shape, offsets, lengths)]
+            return self._prepare_runs(read_item, info, target, dtype, starts, shape.run * esize, commit)
         # Many tiny runs: one read of the covering span, then a strided copy.
         span = torch.empty(shape.span, dtype=dtype)
 
@@ -325,6 +313,35 @@ class ItemReads:
         runs = [(shape.first * esize, tensor_bytes(span))]
         pending = self._fetch(read_item, info, runs, shape.span * esize, finish_span)
         pending.payload = lambda: span.as_strided(lengths, shape.strides).contiguous()
+        return pending
+
+    def _prepare_runs(
+        self,
+        read_item: ReadItem,
+        info: StoredItem,
+        target: torch.Tensor,
+        dtype: torch.dtype,
+        starts: list[int],
+        run_bytes: int,
+        commit: Callable[[], None],
+    ) -> Pending:
+        """A slice stored as runs of ``run_bytes`` at byte ``starts`` of its
+        chunk, read straight into ``target`` when the stored bytes can land
+        there (else into a box copied over once read)."""
+        direct = lands_directly(target, dtype)
+        box = target if direct else torch.empty(tuple(target.shape), dtype=dtype)
+        view = tensor_bytes(box)
+        runs = [(start, view[i * run_bytes : (i + 1) * run_bytes]) for i, start in enumerate(starts)]
+        if direct:
+            pending = self._fetch(read_item, info, runs, 0, commit)
+        else:
+
+            def finish_box() -> None:
+                target.copy_(box)
+                commit()
+
+            pending = self._fetch(read_item, info, runs, view.nbytes, finish_box)
+        pending.payload = lambda: box
         return pending
 
     def _fetch(

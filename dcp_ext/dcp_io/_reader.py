@@ -45,7 +45,7 @@ from ._metadata_sources import (
     replaced_error,
 )
 from ._read_exchange import Exchange, Incoming, host_identity, shared_memory_usable
-from ._read_once import GroupSeen, RankExchange, Receive, Send, plan_read_once
+from ._read_once import GroupSeen, RankExchange, Receive, Send, auto_min_saved, plan_read_once
 
 if TYPE_CHECKING:
     from .._runtime import ExtensionRegistry
@@ -96,8 +96,13 @@ class CheckpointReader(StorageReader):
             shared file system when every rank is on one host, where the
             page cache already serves each byte once and every rank copying
             from it is faster (measured: 4-rank DDP load of 1 GiB from a warm
-            page cache 0.81 s each rank reading vs 1.39 s read-once).
-            ``False``: every rank reads everything it needs itself.
+            page cache 0.81 s each rank reading vs 1.39 s read-once), and
+            for a load of at most 8 ranks that would spare storage less than
+            1 MiB per rank (only small values shared: ``step``, norms; the
+            exchange costs more than reading them twice,
+            :func:`~dcp_ext.dcp_io._read_once.auto_min_saved`).
+            ``True``: always. ``False``: every rank reads everything it
+            needs itself.
         process_group: The group ``dcp.load`` runs on (its
             ``process_group=``; ``None``: the default group). Read-once
             exchanges data over it.
@@ -379,7 +384,8 @@ class CheckpointReader(StorageReader):
         hosts = [s.host if s.shared_memory else "" for s in groups]
         reads = self._reads
         return plan_read_once(plans, reads.item_bytes, reads.item_order, self.config.read_buffer_bytes,
-                              reads.item_grain, hosts, uuid.uuid4().hex[:16])
+                              reads.item_grain, hosts, uuid.uuid4().hex[:16],
+                              min_saved=0 if self.read_once else auto_min_saved(len(plans)))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """(all ranks) Fetch this rank's slices and hand them to the planner;

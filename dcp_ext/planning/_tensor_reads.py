@@ -244,14 +244,27 @@ class ChunkShapes(Mapping[ChunkKey, ChunkShape]):
             return None
         chunks = md.chunks
         row = hint
+        if isinstance(chunks, ChunkColumns):
+            # On the arrays' rows: indexing the columns builds a
+            # ChunkStorageMetadata of two torch.Size objects (measured: 4.3
+            # against 1.5 us a read item, on every loading rank).
+            if row is None or not 0 <= row < len(chunks) or tuple(chunks.offsets[row].tolist()) != offsets:
+                row = self._row(fqn, chunks, offsets)
+                if row is None:
+                    return None
+            return md.properties.dtype, tuple(chunks.sizes[row].tolist())
         if row is None or not 0 <= row < len(chunks) or tuple(chunks[row].offsets) != offsets:
-            rows = self._rows.get(fqn)
-            if rows is None:
-                rows = self._rows[fqn] = _rows_by_offsets(chunks)
-            row = rows.get(offsets)
+            row = self._row(fqn, chunks, offsets)
             if row is None:
                 return None
         return md.properties.dtype, tuple(int(s) for s in chunks[row].sizes)
+
+    def _row(self, fqn: str, chunks: Sequence[ChunkStorageMetadata], offsets: tuple[int, ...]) -> int | None:
+        """The row of ``fqn``'s chunk at ``offsets`` (its chunks indexed on first use)."""
+        rows = self._rows.get(fqn)
+        if rows is None:
+            rows = self._rows[fqn] = _rows_by_offsets(chunks)
+        return rows.get(offsets)
 
     def __iter__(self) -> Iterator[ChunkKey]:
         for fqn, md in self._tensors.items():

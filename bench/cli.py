@@ -145,13 +145,20 @@ def _chart(result: dict[str, Any], results_json: Path, draw: bool) -> str | None
         return None
 
 
+def _block(kinds: list[str]) -> str:
+    """The bench/README.md block of a run of these storage kinds: an
+    Azure-only or GCS-only run has a section of its own."""
+    return {("az",): "azure", ("gcs",): "gcs"}.get(tuple(kinds), "results")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
         link = _chart(result, Path(args.render), not args.no_chart)
-        report.update_readme(BENCH / "README.md", report.render(result, chart=link))
-        print(f"rendered {args.render} into {BENCH / 'README.md'}")
+        block = _block(result["params"]["kinds"])
+        report.update_readme(BENCH / "README.md", report.render(result, chart=link), block)
+        print(f"rendered {args.render} into {BENCH / 'README.md'} (block {block})")
         return 0
 
     size_given = "--size" in (argv if argv is not None else sys.argv)
@@ -294,8 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + markdown + "\n")
     print(f"results written to {out} (run time {result['runtime_seconds'] / 60:.1f} min)")
     if args.readme:
-        # An Azure-only or GCS-only run has a section of its own.
-        block = {("az",): "azure", ("gcs",): "gcs"}.get(tuple(kinds), "results")
+        block = _block(kinds)
         report.update_readme(BENCH / "README.md", markdown, block)
         print(f"table rendered into {BENCH / 'README.md'} (block {block})")
     if args.replicated:

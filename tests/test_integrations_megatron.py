@@ -28,6 +28,9 @@ rank unless it says otherwise:
   (the second save's values still load), uncompressed with
   ``content_metadata`` and ``load_common_state_dict``; the files Megatron
   expects, ``metadata.json`` byte for byte as Megatron writes it;
+* Megatron's ``FullyParallelSaveStrategyWrapper`` around dcp_ext's save
+  strategy (the replicated tensor's save shared out among the ranks): read
+  by Megatron's default loader and by ours (its load wrapper needs CUDA);
 * a tiny ``GPTModel`` tensor parallel over both ranks: our strategy through
   Megatron's ``save``, Megatron's default ``load`` into a model initialised
   otherwise; zstd on SeaweedFS through dcp_ext, applied to the model.
@@ -72,7 +75,7 @@ def test_megatron_dist_checkpointing(make_backend, tmp_path) -> None:
     for rank, out in enumerate(results):
         for check in ("ours_by_megatron", "ours_by_ours", "stock_by_ours", "stock_by_our_load", "zstd_by_default",
                       "async", "s3_zstd", "s3_replaced", "s3_kept", "s3_plain", "gpt_by_megatron", "gpt_s3_zstd",
-                      "gpt_applied"):
+                      "gpt_applied", "fp_by_megatron", "fp_by_ours"):
             assert out[check] == [], (rank, check, out[check][:10])
         for check in ("zstd_by_torch_dist_strict", "zstd_tensors_by_torch_dist"):
             assert out[check][0] == "NeedsCheckpointReaderError", (rank, check, out[check])
@@ -87,12 +90,12 @@ def test_megatron_dist_checkpointing(make_backend, tmp_path) -> None:
         assert out["async_left_to_run"] is False, rank  # saved synchronously inside async_save
     first = results[0]
     dcp_files = {".metadata", "dcp_ext.metadata.json", "common.pt", "metadata.json"}
-    for name in ("ours", "zstd", "async", "gpt"):
+    for name in ("ours", "zstd", "async", "gpt", "fp"):
         assert dcp_files <= set(first["files"][name]), (name, first["files"][name])
     assert "dcp_ext.metadata.json" not in first["files"]["stock"], first["files"]["stock"]
     assert first["configs"] == {"ours": MEGATRON_CONFIG % "torch_dist", "stock": MEGATRON_CONFIG % "torch_dist",
                                 "zstd": MEGATRON_CONFIG % "dcp_ext", "async": MEGATRON_CONFIG % "torch_dist",
-                                "gpt": MEGATRON_CONFIG % "torch_dist"}
+                                "gpt": MEGATRON_CONFIG % "torch_dist", "fp": MEGATRON_CONFIG % "torch_dist"}
     assert dcp_files <= set(first["s3_files"]) and first["s3_config"] == MEGATRON_CONFIG % "dcp_ext"
 
     shards = [out["gpt_shards"] for out in results]

@@ -77,9 +77,12 @@ Megatron-LM's ``--async-save``) saves before it returns and hands back an
 ``AsyncRequest`` with nothing left to run, so an asynchronous trainer keeps
 working but waits for the save. Not exercised: Megatron's asynchronous
 machinery (forked writer processes, CUDA synchronisation), CUDA tensors,
-FP8 tensors, ``FullyParallelSaveStrategyWrapper`` / ``...LoadStrategyWrapper``
-around these strategies, ``remove_sharded_tensors`` (refused: it would rewrite
-torch's ``.metadata`` behind dcp_ext's). Tested with megatron-core 0.16.1 (the
+FP8 tensors, ``FullyParallelLoadStrategyWrapper`` around the load strategy
+(megatron-core 0.16.1's ``exchange_utils`` allocates the exchanged tensors on
+``"cuda"``), ``remove_sharded_tensors`` (refused: it would rewrite torch's
+``.metadata`` behind dcp_ext's). ``FullyParallelSaveStrategyWrapper`` around
+the save strategy is tested (2 ranks sharing out a replicated tensor's save,
+read back bit-exact by Megatron's loader and by dcp_ext's). Tested with megatron-core 0.16.1 (the
 newest for Python 3.11) on CPU, 2 gloo ranks. Install from a clone of dcp_ext:
 ``.venv/bin/pip install -e '.[megatron]'``.
 """

@@ -188,7 +188,7 @@ def megatron_suite(rank: int, world: int, local_root: str, s3_root: str,
         return state_diff(expected, got)
 
     out: dict[str, Any] = {}
-    paths = {name: os.path.join(local_root, name) for name in ("ours", "stock", "zstd", "async", "gpt")}
+    paths = {name: os.path.join(local_root, name) for name in ("ours", "stock", "zstd", "async", "gpt", "fp")}
     if rank == 0:
         for path in paths.values():  # Megatron's save lists the directory first (rank 0): it must exist
             os.makedirs(path)
@@ -197,6 +197,16 @@ def megatron_suite(rank: int, world: int, local_root: str, s3_root: str,
     dist_checkpointing.save(handmade_state(rank, world, 1), paths["ours"], sharded_strategy=ours())
     out["ours_by_megatron"] = diff(dist_checkpointing.load(template(), paths["ours"]))
     out["ours_by_ours"] = diff(dist_checkpointing.load(template(), paths["ours"], sharded_strategy=ours_load()))
+    # Megatron's FullyParallelSaveStrategyWrapper around ours: the ranks share out the replicated
+    # tensor's save (main replicas distributed by size); read by Megatron's default loader and by ours.
+    # (Its load wrapper is not exercised: megatron-core 0.16.1's exchange_utils allocates the exchanged
+    # tensors on "cuda".)
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    dist_checkpointing.save(handmade_state(rank, world, 1), paths["fp"],
+                            sharded_strategy=FullyParallelSaveStrategyWrapper(ours()))
+    out["fp_by_megatron"] = diff(dist_checkpointing.load(template(), paths["fp"]))
+    out["fp_by_ours"] = diff(dist_checkpointing.load(template(), paths["fp"], sharded_strategy=ours_load()))
     # Megatron's own torch_dist save (CUDA calls stubbed), read by ours: through Megatron's load and ours.
     with stock_save_on_cpu():
         dist_checkpointing.save(handmade_state(rank, world, 1), paths["stock"])

@@ -40,14 +40,18 @@ Systems, each saving synchronously, as a training loop would:
 * **Megatron-Core 0.16.1** (:mod:`bench.frameworks_megatron`): the same
   model and moments as a Megatron sharded state dict, saved by megatron-core's
   ``dist_checkpointing.save`` with its default ``torch_dist`` strategy (two
-  CUDA calls stubbed so that it runs on CPU; local disk only: it cannot write
-  to ``s3://``) vs ``DcpExtSaveShardedStrategy`` (local) and
-  ``dcp_ext.integrations.megatron.save`` (S3).
+  CUDA calls stubbed so that it runs on CPU) vs ``DcpExtSaveShardedStrategy``
+  (local) and ``dcp_ext.integrations.megatron.save`` (S3). Megatron cannot
+  write to ``s3://``, so its S3 stock row is the ``torch_dist`` save to local
+  disk followed by an s3fs upload of the folder (what a user does without
+  dcp_ext), timed together.
 * **torch_checkpointing 0.1.1** (:mod:`bench.frameworks_tc`): the same model
   and moments as a ``CheckpointManager`` payload, saved synchronously with its
-  default local storage (local disk only) vs ``DcpExtStorageConfig`` (local,
-  and S3 with a commit marker); its S3 row is held against the stock local
-  one (the ceiling: the same disk the S3 server writes to).
+  default local storage vs ``DcpExtStorageConfig`` (local, and S3 with a
+  commit marker); its S3 row is held against the stock local one (the
+  ceiling: the same disk the S3 server writes to) and, as same-run
+  references, the stock save followed by an s3fs upload, ``dcp_ext.save`` of
+  the same tensors and a raw boto3 upload of the same bytes.
 * **plain DCP** (no framework): the main table's own systems
   (``bench.harness.systems``: ``CheckpointWriter`` vs ``FileSystemWriter``
   thread_count=1 locally, vs ``FsspecWriter`` on S3) on the main table's
@@ -94,10 +98,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.frameworks_megatron import MegatronSystem
-from bench.frameworks_report import PAIRS, main_table_ratios, newest_main_table, render, summarize
+from bench.frameworks_megatron import megatron_systems
+from bench.frameworks_report import PAIRS, REFERENCES, main_table_ratios, newest_main_table, render, summarize
 from bench.frameworks_report import MAIN_TARGETS  # noqa: F401 - re-exported: the suite's constants stay importable from here
-from bench.frameworks_tc import TorchCheckpointingSystem
+from bench.frameworks_tc import tc_systems
 from bench.harness.machine import machine_info
 from bench.harness.report import publish
 from bench.harness.storage import storage
@@ -519,8 +523,9 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
         print("  set up in " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()), flush=True)
     ctx = Ctx(rank, world_size, {"s3_concurrency": cfg["s3_concurrency"]}, cfg["workdir"], cfg["s3"])
 
-    def systems(kind: str) -> list[Any]:  # _System, MegatronSystem and TorchCheckpointingSystem
+    def systems(kind: str) -> list[Any]:  # _System and the systems of bench.frameworks_megatron / _tc
         root = os.path.join(cfg["workdir"], "local") if kind == "local" else cfg["s3_root"]
+        staging = os.path.join(cfg["workdir"], "staging")  # S3 stock rows of frameworks without an S3 path
         opts = options if kind == "s3" else None
         found: list[Any] = [
             _Titan(kind, root, job, stock=True, compression=None, options=None),
@@ -532,14 +537,10 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
             _Plain(kind, root, TorchFileSystem(1) if kind == "local" else TorchFsspec("s3"), ctx, plain_state,
                    ours=False),
             _Plain(kind, root, DcpExt(kind), ctx, plain_state, ours=True),
-            # Megatron-Core (bench.frameworks_megatron): its own save writes local paths only.
-            *([MegatronSystem(kind, root, job, stock=True, options=None)] if kind == "local" else []),
-            MegatronSystem(kind, root, job, stock=False, options=opts),
-            # torch_checkpointing (bench.frameworks_tc): its own storage writes local paths only.
-            *([TorchCheckpointingSystem(kind, root, job, stock=True, options=None),
-               TorchCheckpointingSystem(kind, root, job, stock=False, options=None, fsync=False)]
-              if kind == "local" else []),
-            TorchCheckpointingSystem(kind, root, job, stock=False, options=opts),
+            # Megatron-Core and torch_checkpointing: their own saves write local paths only; on S3 their
+            # stock rows save locally, then upload (bench.frameworks_megatron, bench.frameworks_tc).
+            *megatron_systems(kind, root, job, opts, staging),
+            *tc_systems(kind, root, job, opts, ctx, staging),
         ]
         return [s for s in found if s.name in cfg["systems"]]
 
@@ -633,7 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-rounds", type=int, default=None,
                    help="timed local rounds per system (after a warm-up round) [default 3; --full: 5]")
     p.add_argument("--only", choices=["local", "s3"], help="one storage kind only")
-    p.add_argument("--systems", default=",".join(dict.fromkeys(n for pair in PAIRS for n in pair)),
+    p.add_argument("--systems", default=",".join(dict.fromkeys([n for pair in PAIRS for n in pair]
+                                                               + [n for _, n, _ in REFERENCES])),
                    help="systems to run, comma separated")
     p.add_argument("--s3-concurrency", type=int, default=4,
                    help="max_concurrency of the plain-DCP dcp_ext row on S3 (as the main table)")

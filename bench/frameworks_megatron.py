@@ -14,24 +14,50 @@ Saved with megatron-core's own ``dist_checkpointing.save``, by:
   two CUDA calls are stubbed for it (``torch.cuda.synchronize`` does
   nothing, ``torch.cuda.current_device`` answers ``"cpu"``,
   ``tests.support.megatron_workers.cuda_calls_stubbed``), nothing else
-  changes. Local disk only: Megatron's ``save`` writes ``common.pt`` and
-  ``metadata.json`` with ``os`` and cannot write to ``s3://``.
+  changes.
 * **dcp_ext**: ``DcpExtSaveShardedStrategy()`` through the same ``save``
   (local); on S3 ``dcp_ext.integrations.megatron.save`` (same files, through
   dcp_ext's stores).
 
+**Megatron's default on S3** does not exist: ``save(state, "s3://b/x")``
+raises ``FileNotFoundError: [Errno 2] No such file or directory:
+'s3:/b/x'`` (rank 0 lists the directory with ``pathlib`` first), writes
+``common.pt`` (``torch.save``) and ``metadata.json`` (``open``) to local
+paths, and ``TorchDistSaveShardedStrategy.async_save`` builds its
+``FileSystemWriterAsync(checkpoint_dir)`` itself: no argument substitutes
+torch's ``FsspecWriter`` without patching it. (Megatron's one object-store
+path is NVIDIA's multi-storage-client, ``msc://`` URLs, which it switches on
+for every path as soon as the package is importable; not installed here.) So
+the S3 stock row is **what a user does without dcp_ext**: the same
+``torch_dist`` save to a local directory, then rank 0 uploads that folder
+with s3fs (``S3FileSystem(**storage_options).put(dir/, url/,
+recursive=True)``, s3fs defaults: files concurrently, 50 MiB parts, 10 in
+flight per file), timed together (:func:`upload_folder`; the local copy is
+deleted after the save, untimed).
+
 Both save the same items (Megatron's conversion); each save writes into a
 fresh directory. Untimed before each save, as for both systems: the sharded
-state dict is built, and (local) the directory created, since Megatron's
-``save`` lists it first on rank 0.
+state dict is built, and (local saves, the upload's staging included) the
+directory created, since Megatron's ``save`` lists it first on rank 0.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
-__all__ = ["MegatronSystem", "megatron_state"]
+__all__ = ["MegatronSystem", "megatron_state", "megatron_systems", "upload_folder"]
+
+
+def upload_folder(local: str, url: str, options: dict[str, Any]) -> None:
+    """Copy the local checkpoint folder ``local`` to ``url`` (its files land at
+    ``url/<name>``) as a user without an S3 path would: one s3fs ``put``,
+    recursive, s3fs's defaults."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    fs.put(local.rstrip("/") + "/", url.rstrip("/") + "/", recursive=True)
 
 
 def megatron_state(model: Any, optimizers: Any, rank: int, world: int) -> dict[str, Any]:
@@ -64,7 +90,7 @@ class MegatronSystem:
     fixed_costs = False
 
     def __init__(self, kind: str, root: str, job: dict[str, Any], stock: bool,
-                 options: dict[str, Any] | None) -> None:
+                 options: dict[str, Any] | None, staging: str | None = None) -> None:
         self.kind = kind
         self.stock = stock
         self.name = "megatron_stock" if stock else "megatron_dcp_ext"
@@ -72,11 +98,18 @@ class MegatronSystem:
         self.job = job
         self.options = dict(options or {})
         self.state: dict[str, Any] = {}
-        if stock:
-            assert kind == "local", "Megatron's own save writes local paths only"
+        #: (S3 stock row) where Megatron's save writes before the upload.
+        self.staging = f"{staging}/{self.name}" if stock and kind != "local" else None
+        if stock and kind == "local":
             self.label = "Megatron-Core dist_checkpointing.save, torch_dist (stock)"
             self.settings = ("`TorchDistSaveShardedStrategy` defaults (2 writer processes per rank); "
                              "CUDA calls stubbed for CPU")
+        elif stock:
+            assert staging is not None, "the S3 stock row saves to a local staging directory first"
+            self.label = ("Megatron-Core torch_dist (stock) to local disk, then s3fs `put` of the folder "
+                          "(Megatron has no S3 path)")
+            self.settings = ("`TorchDistSaveShardedStrategy` defaults, CUDA calls stubbed for CPU; then rank 0 "
+                             "`S3FileSystem.put(dir, url, recursive=True)`, s3fs defaults; both timed")
         else:
             self.label = "dcp_ext DcpExtSaveShardedStrategy"
             self.settings = ("dcp_ext CheckpointWriter defaults, through Megatron's `save`" if kind == "local"
@@ -102,9 +135,13 @@ class MegatronSystem:
 
         self.state = self._state()
         self.state["iteration"] = i
-        if self.kind == "local" and dist.get_rank() == 0:
-            os.makedirs(f"{self.root}/save-{i}")
+        local = f"{self.root}/save-{i}" if self.kind == "local" else self._staged(i) if self.staging else None
+        if local is not None and dist.get_rank() == 0:
+            os.makedirs(local)
         dist.barrier()
+
+    def _staged(self, i: int) -> str:
+        return f"{self.staging}/save-{i}"
 
     def save(self, i: int) -> str:
         from megatron.core import dist_checkpointing
@@ -113,7 +150,15 @@ class MegatronSystem:
         from tests.support.megatron_workers import cuda_calls_stubbed
 
         where = f"{self.root}/save-{i}"
-        if self.stock:
+        if self.stock and self.staging:
+            import torch.distributed as dist
+
+            with cuda_calls_stubbed():
+                dist_checkpointing.save(self.state, self._staged(i))  # ends in a barrier: every file written
+            if dist.get_rank() == 0:
+                upload_folder(self._staged(i), where, self.options)
+            dist.barrier()
+        elif self.stock:
             with cuda_calls_stubbed():
                 dist_checkpointing.save(self.state, where)
         elif self.kind == "local":
@@ -122,9 +167,23 @@ class MegatronSystem:
             dcp_megatron.save(self.state, where, storage_options=self.options)
         return where
 
+    def after(self, i: int, where: str) -> None:
+        """(all ranks, untimed) The S3 stock row: delete the local copy the upload came from."""
+        import torch.distributed as dist
+
+        if self.staging and dist.get_rank() == 0:
+            shutil.rmtree(self._staged(i))
+
     def close(self) -> None:
         """(each rank, after the last save) Stop the process Megatron's writer started."""
         if self.stock:
             from tests.support.megatron_workers import stop_writer_results_manager
 
             stop_writer_results_manager()
+
+
+def megatron_systems(kind: str, root: str, job: dict[str, Any], options: dict[str, Any] | None,
+                     staging: str) -> list[MegatronSystem]:
+    """The Megatron-Core systems of storage ``kind``: stock (on S3: saved to ``staging``, then uploaded) and dcp_ext."""
+    return [MegatronSystem(kind, root, job, stock=True, options=options, staging=staging),
+            MegatronSystem(kind, root, job, stock=False, options=options)]

@@ -33,6 +33,14 @@ PAIRS = [
 #: against: torch_checkpointing's own storage writes local paths only, so its local save (the same disk
 #: the S3 server writes to) is the ceiling of ``tc_dcp_ext`` on S3 (issue 43).
 CEILINGS = {"tc_stock": "local"}
+#: (dcp_ext system, reference, what the reference is): same-run references of a row beyond its pair (issue 43:
+#: torch_checkpointing has no S3 backend, so its S3 row is also held against its stock save followed by an upload,
+#: dcp_ext's own DCP save of the same tensors, and the S3 server's raw ceiling for those bytes).
+REFERENCES = [
+    ("tc_dcp_ext", "tc_stock_upload", "stock save to local disk, then an s3fs upload: what a user does without dcp_ext"),
+    ("tc_dcp_ext", "tc_dcp", "dcp_ext's own DCP save (`dcp_ext.save`) of the same tensors"),
+    ("tc_dcp_ext", "tc_raw", "the S3 server's raw ceiling for the same bytes (boto3 multipart)"),
+]
 #: The main table's target ids whose ratios these rows are held against.
 MAIN_TARGETS = {"local": "local_save_torch", "s3": "s3_save_fsspec"}
 
@@ -80,7 +88,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     (ratio of medians, and the median of same-round ratios; for a default of another
     kind, ``CEILINGS``, rounds of the two kinds paired by their order)."""
     med = statistics.median
-    out: dict[str, Any] = {"rows": {}, "ratios": {}, "fixed": {}}
+    out: dict[str, Any] = {"rows": {}, "ratios": {}, "fixed": {}, "references": {}}
     for kind, rec in result["kinds"].items():
         for fw, secs in rec.get("prep", {}).items():
             adapter = rec.get("null_adapter", {}).get(fw)
@@ -105,6 +113,12 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                     entry["common_s"] = fixed["prep_s"] + fixed["null_save_s"]
                     entry["common_share"] = entry["common_s"] / med(a)
                 out["ratios"].setdefault(kind, {})[ours] = entry
+        for ours, reference, what in REFERENCES:
+            if ours in rows and reference in rows:
+                a, b = rec["seconds"][ours], rec["seconds"][reference]
+                out["references"].setdefault(kind, []).append({
+                    "ours": ours, "reference": reference, "what": what, "ratio": med(b) / med(a),
+                    "paired": med(y / x for x, y in zip(a, b))})
     return out
 
 
@@ -161,6 +175,14 @@ def render(record: dict[str, Any]) -> str:
                      ("✅" if r["ratio"] >= ref["ratio"] else "❌") if ref else "–"]
             lines.append(f"| {titles[kind]} | {row[ours]['label']} / {default} | "
                          + " | ".join(cells) + " |")
+    if s.get("references"):
+        lines += ["", "Same-run references (save throughput ratio, row / reference; > 1: the row is faster):", "",
+                  "| storage | row / reference | reference is | ratio [paired] |", "|---|---|---|---:|"]
+        for kind, entries in s["references"].items():
+            for e in entries:
+                rows = s["rows"][kind]
+                lines.append(f"| {titles[kind]} | {rows[e['ours']]['label']} / {rows[e['reference']]['label']} | "
+                             f"{e['what']} | {e['ratio']:.2f}× [{e['paired']:.2f}] |")
     if s["fixed"]:
         built = {"torchtitan": " (flatten + each `Stateful`'s `state_dict` + `gc.collect(1)`)",
                  "lightning": " (`dump_checkpoint`)", "dcp": ""}

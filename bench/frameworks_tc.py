@@ -29,16 +29,33 @@ directory, by:
 
 Everything else is torch_checkpointing's defaults for both (one file-write
 thread, ``{item}_{rank}.pt`` files by ``torch.save``). After a system's first
-(warm-up) save, untimed, each rank loads it back with the same manager into
-fresh tensors and checks every tensor is bit-exact (on S3 after checking
-the commit marker), so a row never times a save it cannot load.
+(warm-up) save, untimed, each rank loads it back into fresh tensors and
+checks every tensor is bit-exact (on S3 after checking the commit marker;
+the uploaded stock save through ``DcpExtStorage``), so a row never times a
+save it cannot load.
+
+Two references for the S3 row, same run, same tensors (issue 43: where does
+a torch_checkpointing save on S3 lose time?):
+
+* ``tc_dcp``: ``dcp_ext.save`` of the same payload (torch DCP with dcp_ext's
+  ``CheckpointWriter``, its defaults: what dcp_ext's own save of these bytes
+  costs), locally and on S3;
+* ``tc_raw`` (S3): the S3 server's ceiling for these bytes: each rank's
+  tensor bytes, copied into one buffer before the save (untimed), sent as
+  one boto3 multipart upload of 16 MiB parts from ``s3_concurrency`` threads
+  (the main table's raw ceiling, ``bench.harness.systems.RawS3``).
 """
 
 from __future__ import annotations
 
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["TorchCheckpointingSystem", "tc_payload"]
+__all__ = ["TorchCheckpointingSystem", "TcDcpSystem", "TcRawSystem", "tc_payload", "tc_systems"]
+
+#: Part size of the raw ceiling's multipart upload (the main table's).
+RAW_PART = 16 << 20
 
 
 def tc_payload(model: Any, optimizers: Any, step: int) -> dict[str, Any]:
@@ -86,7 +103,7 @@ class TorchCheckpointingSystem:
     fixed_costs = False
 
     def __init__(self, kind: str, root: str, job: dict[str, Any], stock: bool,
-                 options: dict[str, Any] | None, fsync: bool = True) -> None:
+                 options: dict[str, Any] | None, fsync: bool = True, staging: str | None = None) -> None:
         from torch_checkpointing import CheckpointManager
         from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
@@ -94,18 +111,30 @@ class TorchCheckpointingSystem:
 
         self.kind = kind
         self.stock = stock
-        self.name = "tc_stock" if stock else "tc_dcp_ext" if fsync else "tc_dcp_ext_nofsync"
+        upload = stock and kind != "local"
+        self.name = ("tc_stock_upload" if upload else "tc_stock") if stock else (
+            "tc_dcp_ext" if fsync else "tc_dcp_ext_nofsync")
         self.root = f"{root}/{self.name}"
         self.job = job
         self.options = dict(options or {})
         self.checked = False
+        #: (S3 stock row) where the stock storage writes before the upload.
+        self.staging = f"{staging}/{self.name}" if upload else None
+        #: (S3 stock row) reads the uploaded save back for the bit-exact check.
+        self.reader: Any = None
         config = CheckpointManager.Config.with_sync_save()
         if stock:
-            assert kind == "local", "torch_checkpointing's own storage writes local paths only"
             config.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)  # O_DIRECT fails: module doc
             self.label = "torch_checkpointing CheckpointManager, LocalFileSystemStorage (stock)"
             self.settings = ("sync save, `LocalFileSystemStorageConfig(use_direct_io=False)` (its O_DIRECT default "
                              "fails on close), no fsync, temp dir + rename")
+            if upload:
+                assert staging is not None, "torch_checkpointing's own storage writes local paths only: stage first"
+                self.label += " to local disk, then s3fs `put` of the folder (no S3 backend)"
+                self.settings += "; then rank 0 `S3FileSystem.put(dir, url, recursive=True)`, s3fs defaults; both timed"
+                reader = CheckpointManager.Config.with_sync_save()
+                reader.storage_config = DcpExtStorageConfig(storage_options=self.options)
+                self.reader = reader.build()
         else:
             # fsync=False: the stock storage's terms (it never fsyncs), for a like-for-like local row.
             config.storage_config = DcpExtStorageConfig(storage_options=self.options,
@@ -129,22 +158,154 @@ class TorchCheckpointingSystem:
         """(all ranks) Nothing: the manager makes the directory."""
 
     def save(self, i: int) -> str:
+        import torch.distributed as dist
+
         where = f"{self.root}/save-{i}"
-        assert self.manager.save(where, tc_payload(self.job["model"], self.job["optimizers"], i)) is None
+        payload = tc_payload(self.job["model"], self.job["optimizers"], i)
+        if self.staging is None:
+            assert self.manager.save(where, payload) is None
+            return where
+        staged = f"{self.staging}/save-{i}"
+        assert self.manager.save(staged, payload) is None  # rank 0 renamed the temporary directory onto it
+        if dist.get_rank() == 0:
+            from bench.frameworks_megatron import upload_folder
+
+            upload_folder(staged, where, self.options)
+        dist.barrier()
         return where
 
     def after(self, i: int, where: str) -> None:
-        """(all ranks, untimed, first save only) Load it back and check it bit-exact."""
+        """(all ranks, untimed) First save only: load it back and check it
+        bit-exact. The S3 stock row: delete the local copy the upload came from."""
+        import torch.distributed as dist
+
+        if self.staging is not None and dist.get_rank() == 0:
+                shutil.rmtree(f"{self.staging}/save-{i}")
         if self.checked:
             return
         from dcp_ext.integrations.torch_checkpointing import is_committed
 
-        if self.kind != "local":
+        if self.kind != "local" and not self.stock:
             assert is_committed(where, self.options), f"{where}: no commit marker"
         saved = tc_payload(self.job["model"], self.job["optimizers"], i)
-        loaded = self.manager.load(where, into={k: _templates(v) for k, v in saved.items()})
+        loaded = (self.reader or self.manager).load(where, into={k: _templates(v) for k, v in saved.items()})
         _same(saved, dict(loaded))
         self.checked = True
 
     def close(self) -> None:
         self.manager.close()
+        if self.reader is not None:
+            self.reader.close()
+
+
+class TcDcpSystem:
+    """``dcp_ext.save`` of :func:`tc_payload` (a reference row: dcp_ext's own DCP save of the same tensors)."""
+
+    framework = "torch_checkpointing"
+    fixed_costs = False
+
+    def __init__(self, kind: str, root: str, job: dict[str, Any], options: dict[str, Any] | None) -> None:
+        self.kind = kind
+        self.name = "tc_dcp"
+        self.root = f"{root}/{self.name}"
+        self.job = job
+        self.options = dict(options or {})
+        self.label = "reference: dcp_ext.save (DCP) of the same payload"
+        self.settings = "`dcp_ext.save(payload, path)`, CheckpointWriter defaults" + (
+            " (fsync on)" if kind == "local" else " (16 MiB parts, 8 in flight)")
+
+    def prepare(self) -> dict[str, Any]:
+        return tc_payload(self.job["model"], self.job["optimizers"], 0)
+
+    def before(self, i: int) -> None:
+        """(all ranks) Nothing: the writer makes the directory."""
+
+    def save(self, i: int) -> str:
+        import dcp_ext
+
+        where = f"{self.root}/save-{i}"
+        dcp_ext.save(tc_payload(self.job["model"], self.job["optimizers"], i), where,
+                     storage_options=self.options or None)
+        return where
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class TcRawSystem:
+    """(S3) Each rank's tensor bytes of :func:`tc_payload` as one boto3 multipart upload: the server's ceiling."""
+
+    framework = "torch_checkpointing"
+    fixed_costs = False
+
+    def __init__(self, root: str, job: dict[str, Any], ctx: Any) -> None:
+        self.kind = "s3"
+        self.name = "tc_raw"
+        self.root = f"{root}/{self.name}"
+        self.job = job
+        self.ctx = ctx
+        self.threads = int(ctx.params["s3_concurrency"])
+        self.data: Any = None
+        self.label = "reference: raw ceiling, boto3 multipart PUT of the same bytes"
+        self.settings = (f"one object per rank, {RAW_PART >> 20} MiB parts from {self.threads} threads, boto3 "
+                         "configured as dcp_ext's client (as the main table's raw ceiling)")
+
+    def prepare(self) -> dict[str, Any]:
+        return tc_payload(self.job["model"], self.job["optimizers"], 0)
+
+    def before(self, i: int) -> None:
+        """(untimed, once) This rank's tensor bytes, copied into one buffer."""
+        if self.data is None:
+            import torch
+
+            from bench.harness.state import local_tensor
+
+            tensors = _tensors(self.prepare())
+            self.data = torch.cat([local_tensor(t).detach().reshape(-1).view(torch.uint8) for t in tensors])
+
+    def save(self, i: int) -> str:
+        import torch.distributed as dist
+
+        where = f"{self.root}/save-{i}"
+        client, bucket = self.ctx.boto3(), self.ctx.bucket
+        key = f"{where.split('/', 3)[3]}/raw_{dist.get_rank()}.bin"
+        view = memoryview(self.data.numpy()).cast("B")
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+
+        def put(n: int) -> dict[str, Any]:
+            body = bytes(view[n * RAW_PART:(n + 1) * RAW_PART])  # botocore takes no memoryview
+            etag = client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=n + 1, Body=body)["ETag"]
+            return {"PartNumber": n + 1, "ETag": etag}
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            parts = list(pool.map(put, range(-(-view.nbytes // RAW_PART))))
+        client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts})
+        dist.barrier()
+        return where
+
+    def close(self) -> None:
+        self.data = None
+
+
+def _tensors(value: Any) -> list[Any]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def tc_systems(kind: str, root: str, job: dict[str, Any], options: dict[str, Any] | None, ctx: Any,
+               staging: str) -> list[Any]:
+    """The torch_checkpointing systems of storage ``kind``: stock (on S3: saved to ``staging``, then
+    uploaded), dcp_ext's storage (locally also without fsync, the stock row's terms) and the references."""
+    systems: list[Any] = [TorchCheckpointingSystem(kind, root, job, stock=True, options=options, staging=staging)]
+    if kind == "local":
+        systems.append(TorchCheckpointingSystem(kind, root, job, stock=False, options=None, fsync=False))
+    systems += [TorchCheckpointingSystem(kind, root, job, stock=False, options=options),
+                TcDcpSystem(kind, root, job, options)]
+    if kind != "local":
+        systems.append(TcRawSystem(root, job, ctx))
+    return systems

@@ -17,12 +17,21 @@ In one process (torch_checkpointing's asynchronous saver spawns its own):
   ``write_to_temp_dir=False`` + ``commit_marker``, then asynchronously (the
   config pickled into the spawned saver process); the marker seals the
   directory (a second save there is refused before it writes), ``rmdir``
-  un-commits first. Locally the temporary directory is renamed with ``os.rename``.
+  un-commits first. Locally the temporary directory is renamed with ``os.rename``;
+* how a save reaches S3 (what the module doc's "Throughput on object stores"
+  says), from the requests the store sends: each file one multipart upload
+  whose parts are in flight together (the first two parts of a file wait for
+  each other: sent one at a time, the save would fail), the files of
+  torch_checkpointing's ``file_write_max_threads`` threads uploaded at once
+  (their first parts wait for each other too), a file under one part one
+  PUT, no other request but the directory's seal check and the marker.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +42,7 @@ from torch_checkpointing.checkpoint_writer import CallbackArgs
 from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
 from dcp_ext.errors import InvalidOptionError
+from dcp_ext.storage.s3 import S3Store
 from dcp_ext.integrations.torch_checkpointing import (
     COMMIT_MARKER,
     DcpExtStorage,
@@ -159,6 +169,58 @@ def test_checkpoint_manager_on_seaweedfs(make_backend, tmp_path: Path) -> None:
     # Asynchronous: the storage config is pickled into torch_checkpointing's spawned saver process.
     assert _save_and_load(_marker_config(options, asynchronous=True), f"{root}/async") == []
     assert is_committed(f"{root}/async", options)
+
+
+def test_s3_save_sends_parts_and_files_in_parallel(make_backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = make_backend("seaweedfs")
+    options = backend.storage_options
+    where = backend.url("parallel") + "/step_1"
+    meeting: dict[str, threading.Barrier] = {}
+    sent: list[tuple[str, str]] = []  # (method, file)
+    lock = threading.Lock()
+    call = S3Store.call
+
+    def meet(name: str) -> None:
+        """The two parties named ``name`` each wait here for the other (a minute at most)."""
+        with lock:
+            barrier = meeting.setdefault(name, threading.Barrier(2, timeout=60))
+        barrier.wait()
+
+    def recorded(self: S3Store, method: str, doing: str, key: str | None = None, **kwargs: Any) -> Any:
+        name = (key or "").rsplit("/", 1)[-1]
+        number = int(kwargs.get("PartNumber", 0))
+        with lock:
+            sent.append((method, name))
+        if method == "upload_part" and number in (1, 2):
+            meet(f"parts of {name}")  # part 2 is sent while part 1 is in flight
+        if method == "upload_part" and number == 1:
+            meet("files")  # model_0.pt's first part is in flight while optim_0.pt's is
+        return call(self, method, doing, key, **kwargs)
+
+    monkeypatch.setattr(S3Store, "call", recorded)
+    torch.manual_seed(3)
+    saved = {"model": {"w": torch.randn(3 << 20)}, "optim": {"m": torch.randn(3 << 20)}, "step": 5}  # 12 MiB each
+    config = _marker_config(options)
+    config.storage_config = DcpExtStorageConfig(storage_options=options,
+                                                io_options={"part_size": "5MiB", "max_concurrency": 4})
+    config.save.writer_config.file_write_max_threads = 2
+    manager = config.build()
+    try:
+        assert manager.save(where, saved) is None
+        monkeypatch.setattr(S3Store, "call", call)
+        loaded = manager.load(where, into={"model": {"w": torch.zeros(3 << 20)}, "optim": {"m": torch.zeros(3 << 20)},
+                                           "step": None})
+    finally:
+        manager.close()
+    assert state_diff(saved, dict(loaded)) == []
+    counts = Counter(sent)
+    # Every request of the save (12 MiB + torch.save's framing: 3 parts of 5 MiB per file), and nothing else:
+    # no listing, no HEAD per file; mkdir checks the bucket and the seal once for the directory.
+    files = {(method, name): n for name in ("model_0.pt", "optim_0.pt") for method, n in
+             (("create_multipart_upload", 1), ("upload_part", 3), ("complete_multipart_upload", 1))}
+    assert counts == Counter({**files, ("put_object", "step_0.pt"): 1, ("head_bucket", ""): 1,
+                              ("head_object", COMMIT_MARKER): 1, ("put_object", COMMIT_MARKER): 1}), counts
+    assert is_committed(where, options)
 
 
 def test_local_save_renames_the_temporary_directory(tmp_path: Path) -> None:

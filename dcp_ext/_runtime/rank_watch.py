@@ -148,6 +148,61 @@ class Culprit:
 _WRITER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-rank-watch")
 
 
+class _Heartbeats:
+    """One thread per process renews the records of every open :class:`RankWatch`.
+
+    A save used to start a heartbeat thread of its own; ``Thread.start``
+    waits until the new thread runs, which on a busy host is milliseconds
+    of the training loop's time (an asynchronous save's blocked time). The
+    thread starts with the first watch of the process (again in a forked
+    child) and sleeps while no save or load runs.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No watch and no thread (also in a forked child: the lock may have been held at the fork)."""
+        self._lock = threading.Condition(threading.Lock())
+        self._watches: dict[int, RankWatch] = {}
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def add(self, watch: RankWatch) -> None:
+        """Renew ``watch``'s record every ``watch.interval`` seconds until :meth:`remove`."""
+        with self._lock:
+            watch.due = time.monotonic() + watch.interval
+            self._watches[id(watch)] = watch
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._run, name="dcp_ext-rank-heartbeat", daemon=True)
+                self._thread.start()
+            self._lock.notify()
+
+    def remove(self, watch: RankWatch) -> None:
+        """Stop renewing ``watch``'s record (its last post may still be on its way)."""
+        with self._lock:
+            self._watches.pop(id(watch), None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._watches:
+                    self._lock.wait()
+                now = time.monotonic()
+                due = [w for w in self._watches.values() if w.due <= now]
+                for watch in due:  # under the lock: after remove() returns, nothing more is posted
+                    watch.due = now + watch.interval
+                    watch._post()
+                if self._watches:
+                    self._lock.wait(max(0.0, min(w.due for w in self._watches.values()) - time.monotonic()))
+
+
+_HEARTBEATS = _Heartbeats()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_HEARTBEATS.reset)
+
+
 class RankWatch:
     """One save or load's phases and heartbeat in the rendezvous store (see the module docstring).
 
@@ -175,12 +230,11 @@ class RankWatch:
         self.phase_name = phases[0]
         self._since = time.time()
         self._seq = 0
-        self._stop = threading.Event()
-        self._ticker: threading.Thread | None = None
+        #: When the heartbeat thread posts this record next (``time.monotonic``).
+        self.due = 0.0
         if self._store is not None:
             self._post()
-            self._ticker = threading.Thread(target=self._tick, name="dcp_ext-rank-heartbeat", daemon=True)
-            self._ticker.start()
+            _HEARTBEATS.add(self)
 
     def phase(self, name: str) -> None:
         """(this rank) It enters phase ``name``."""
@@ -191,9 +245,9 @@ class RankWatch:
         """(this rank) The save or load is over: stop the heartbeat and remove
         the record; after a failure (``ok=False``) the record stays, saying so,
         for other ranks still diagnosing (a few bytes per rank and failure)."""
-        self._stop.set()
         if self._store is None:
             return
+        _HEARTBEATS.remove(self)
         if ok:
             _WRITER.submit(self._quietly, self._store.delete_key, self._key(self.rank))
         else:
@@ -206,10 +260,6 @@ class RankWatch:
         self._seq += 1
         value = json.dumps([self.phase_name, self._since, self._seq])
         _WRITER.submit(self._quietly, self._store.set, self._key(self.rank), value)
-
-    def _tick(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._post()
 
     @staticmethod
     def _quietly(call: Any, *args: Any) -> None:

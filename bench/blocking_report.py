@@ -136,6 +136,7 @@ def summarize(worlds: list[dict[str, Any]]) -> dict[str, Any]:
         "noise": noise_flags(worlds),
         "clone": med([max(r["clone_seconds"] for r in w["ranks"]) for w in worlds]),
         "state_bytes": max(r["state_bytes"] for r in ranks),
+        "total_state_bytes": max(sum(r["state_bytes"] for r in w["ranks"]) for w in worlds),
         "torch_threads": sorted({r["torch_threads"] for r in ranks}),
     }
 
@@ -228,8 +229,15 @@ def targets(summary: dict[str, Any], kinds: list[str], memory: dict[str, Any] | 
         bg = rows.get(("dcp_ext_background", kind))
         if bg is None or bg["blocked"] is None:  # no steady-state save (a run of a single save)
             continue
+        # Per GiB of the whole state (``--state-size``, what a save saves: the issue's "stays ≤ 20 ms/GiB" of
+        # a 7 ms save at 512 MiB), and, stricter, per GiB of one rank's share.
+        total = summary.get("total_state_bytes") or state
+        per_gib = bg["blocked"] * 1e3 / (total / GiB)
+        out.append((f"{kind}: background staging, blocked per save per GiB of state (all ranks' state, `--state-size`)",
+                    f"{per_gib:.1f} ms/GiB ({_ms(bg['blocked'])} ms / {total / GiB:.3f} GiB)", "≤ 20 ms/GiB",
+                    per_gib <= 20))
         per_gib = bg["blocked"] * 1e3 / (state / GiB)
-        out.append((f"{kind}: background staging, blocked per save per GiB of state per rank",
+        out.append((f"{kind}: background staging, blocked per save per GiB of state per rank (stricter)",
                     f"{per_gib:.1f} ms/GiB ({_ms(bg['blocked'])} ms / {state / GiB:.3f} GiB)", "≤ 20 ms/GiB",
                     per_gib <= 20))
         stager = rows.get(("torch_default_stager", kind))

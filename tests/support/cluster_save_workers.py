@@ -94,3 +94,13 @@ def resume(root: str, options: dict[str, Any], incremental: bool = False) -> dic
     same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(fresh.parameters(), want.parameters()))
     manager.close()
     return {"tag": result.tag, "same": same}
+
+
+def recover(root: str, options: dict[str, Any], step: int, timeout: float) -> dict[str, Any]:
+    """After a failed save, in one world: :func:`resume` ``newest`` of the
+    manager root, save ``step{step}`` (:func:`save`), :func:`resume` again;
+    the three results. Each resume builds its own manager and a fresh model,
+    so the second one reads the new tag from storage, as a new world would."""
+    before = resume(root, options)
+    saved = save(f"{root}/plain{step}", step, options, timeout, [], manager_root=root)
+    return {"before": before, "saved": saved, "after": resume(root, options)}

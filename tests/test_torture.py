@@ -43,14 +43,18 @@ def test_killed_saves_never_lose_or_corrupt_a_checkpoint(tmp_path: Path, monkeyp
     ]
     # A third sequence runs something else on its root during each save (the
     # root's one rule): prune, compact (of the tag the save builds on, and one
-    # killed after writing its new file), and a second 2-rank job.
+    # killed after writing its new file), and a second 2-rank job. The delays
+    # put each in its job's save: a forked job's ranks save from about 0.3 s
+    # to 0.6 s after it starts (measured, 3 jobs at a time; the other job's
+    # save runs about 0.4 s after its start), so that the compaction of step2
+    # runs into its crash point instead of finding step2 already pruned.
     concurrent_plan = [
-        ("none", Beside("prune", delay=1.0)),
-        ("none", Beside("compact", tag="step1", delay=1.5)),
-        ("0:mid_data", Beside("job", step=1003, delay=1.0)),
-        ("none", Beside("compact", "mid_compact", tag="step2", delay=1.5)),
-        ("none", Beside("prune", "mid_retention", delay=1.5)),
-        ("none", Beside("job", "all:before_metadata", step=1006, delay=0.5)),
+        ("none", Beside("prune", delay=0.2)),
+        ("none", Beside("compact", tag="step1", delay=0.3)),
+        ("0:mid_data", Beside("job", step=1003, delay=0.2)),
+        ("none", Beside("compact", "mid_compact", tag="step2", delay=0.3)),
+        ("none", Beside("prune", "mid_retention", delay=0.3)),
+        ("none", Beside("job", "all:before_metadata", step=1006, delay=0.1)),
     ]
     async_lines: list[str] = []
     lines: list[str] = []

@@ -136,13 +136,16 @@ class Beside:
 @dataclass(frozen=True)
 class _JobOutcome:
     """How one job ended: its exit code, stderr tail, seconds, and whether it
-    hung; and how what ran beside it ended."""
+    hung; and how what ran beside it ended. ``cli_error``: its stderr (all of
+    it, not only the tail: a refusal names long paths) holds the ``dcp-ext:
+    error:`` line of a command that refused."""
 
     returncode: int
     stderr: str
     seconds: float
     hung: bool
     beside: _JobOutcome | None = None
+    cli_error: bool = False
 
     @property
     def ok(self) -> bool:
@@ -330,7 +333,9 @@ def _wait(job: Any, started: float) -> _JobOutcome:
         _kill_group(job)
         _, err = job.communicate()
         hung = True
-    return _JobOutcome(job.returncode, err.decode(errors="replace")[-500:], time.monotonic() - started, hung)
+    text = err.decode(errors="replace")
+    return _JobOutcome(job.returncode, text[-500:], time.monotonic() - started, hung,
+                       cli_error="dcp-ext: error:" in text)
 
 
 def _check_loads(manager: dcp_ext.CheckpointManager, tag: str, before: list[str], after: list[str],
@@ -482,7 +487,7 @@ def _beside_problems(beside: Beside, outcome: _JobOutcome | None) -> list[str]:
         return [f"{beside.describe()} hung for {JOB_TIMEOUT} s"]
     if outcome.ok or beside.crash != "none":
         return []  # a planned kill: the CLI dies by SIGKILL, a job's other rank exits 1
-    if beside.kind == "compact" and outcome.returncode == 2 and "dcp-ext: error:" in outcome.stderr:
+    if beside.kind == "compact" and outcome.returncode == 2 and outcome.cli_error:
         return []  # refused: a save builds on it, or retention deleted it meanwhile
     return [f"{beside.describe()} failed: exit {outcome.returncode}: {outcome.stderr}"]
 

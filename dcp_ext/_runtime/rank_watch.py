@@ -166,15 +166,13 @@ class _Heartbeats:
         self._lock = threading.Condition(threading.Lock())
         self._watches: dict[int, RankWatch] = {}
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
 
     def add(self, watch: RankWatch) -> None:
         """Renew ``watch``'s record every ``watch.interval`` seconds until :meth:`remove`."""
         with self._lock:
             watch.due = time.monotonic() + watch.interval
             self._watches[id(watch)] = watch
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._pid = os.getpid()
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="dcp_ext-rank-heartbeat", daemon=True)
                 self._thread.start()
             self._lock.notify()

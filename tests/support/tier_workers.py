@@ -193,6 +193,7 @@ def tier_suite(rank: int, world_size: int, root: str, local_base: str, options: 
     dist.barrier()
     report["replica_files_r1"] = sorted(p.name for p in (Path(node_dir(rep_base, node)) / partial_dir("r1")).iterdir()
                                         if p.name.endswith(".distcp"))
+    dist.barrier()  # every rank has listed its node's files before node 1's tier is wiped
     if rank == 2:
         shutil.rmtree(node_dir(rep_base, 1))
     dist.barrier()

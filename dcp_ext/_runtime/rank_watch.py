@@ -242,14 +242,25 @@ class RankWatch:
     def close(self, ok: bool = True) -> None:
         """(this rank) The save or load is over: stop the heartbeat and remove
         the record; after a failure (``ok=False``) the record stays, saying so,
-        for other ranks still diagnosing (a few bytes per rank and failure)."""
+        for other ranks still diagnosing (a few bytes per rank and failure).
+
+        The failure's record is written before this returns (waiting at most
+        ``_READ_LIMIT`` seconds for the store): a process that raises and
+        then exits at once would otherwise take the queued record with it,
+        and a rank still diagnosing would find this one's heartbeat stopped
+        in its last phase and name it as dead too.
+        """
         if self._store is None:
             return
         _HEARTBEATS.remove(self)
         if ok:
             _WRITER.submit(self._quietly, self._store.delete_key, self._key(self.rank))
-        else:
-            self.phase(_ENDED)
+            return
+        self.phase(_ENDED)
+        try:
+            _WRITER.submit(lambda: None).result(timeout=_READ_LIMIT)  # the one writer thread is past the record
+        except Exception as err:  # noqa: BLE001 - diagnostics only: the error raised is the caller's
+            log.debug("rank watch: the failure's record may not be written: %s", err)
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}{rank}"

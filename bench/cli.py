@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     azurite = None
     fake_gcs = None
     result: dict[str, Any] = {
-        "format": 1, "date": date, "command": command, "machine": machine, "params": params,
-        "worlds": {}, "rss": [],
+        "format": 1, "date": date, "started": time.time(), "command": command, "machine": machine,
+        "params": params, "worlds": {}, "rss": [],
     }
     try:
         s3info = None
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             azurite = start_azurite(workdir / "azurite")
             azurite.create_container(BUCKET)
             azinfo = {"endpoint": azurite.endpoint, "connection_string": azurite.connection_string,
-                      "container": BUCKET}
+                      "container": BUCKET, "pid": azurite.process.pid}  # pid: the worker waits for it to idle
             machine["azurite_version"] = AZURITE_VERSION
             print(f"Azurite at {azurite.endpoint} (started in {azurite.startup_seconds:.1f}s)", flush=True)
         gcsinfo = None
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # before any rank imports gcsfs
             fake_gcs = start_fake_gcs(log_dir=workdir)
             fake_gcs.create_bucket(BUCKET)
-            gcsinfo = {"endpoint_url": fake_gcs.endpoint_url, "bucket": BUCKET}
+            gcsinfo = {"endpoint_url": fake_gcs.endpoint_url, "bucket": BUCKET, "pid": fake_gcs.process.pid}
             machine["fake_gcs_version"] = FAKE_GCS_VERSION
             print(f"fake-gcs-server at {fake_gcs.endpoint_url} (started in {fake_gcs.startup_seconds:.2f}s)", flush=True)
         env = isolated_aws_env(server) if server is not None else contextlib.nullcontext()

@@ -10,6 +10,7 @@ import resource
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,16 +89,59 @@ def _cleanup(ctx: Ctx, system: System, loc: str) -> None:
     dist.barrier()
 
 
+def _server_cpu(pid: int) -> float | None:
+    """CPU seconds the server process ``pid`` has used (``None``: it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+#: An emulator counts as idle when it used less than this share of a core over one look.
+QUIET_SHARE = 0.1
+QUIET_LOOK = 0.25  # seconds
+QUIET_LIMIT = 20.0  # seconds: the most a timed operation waits for it
+
+
+def _server_quiet(ctx: Ctx, system: System) -> None:
+    """(every rank) Wait until the emulator ``system`` talks to is idle, so every
+    timed operation starts with the server in the same state.
+
+    Azurite (one Node.js process) and fake-gcs-server reclaim deleted blobs and
+    flush their metadata in the background after a cleanup; on 2 cores that
+    work lands in whichever system's save runs next (seen: Azurite busy for
+    seconds after a torch/adlfs round's deletions). Rank 0 watches the
+    server's CPU time through ``/proc`` (the server runs on this host); every
+    rank waits for it at a barrier. Servers without a ``pid`` in their
+    settings (S3: SeaweedFS's several processes) are not watched.
+    """
+    server = ctx.az if system.kind == "az" else ctx.gcs if system.kind == "gcs" else None
+    pid = server.get("pid") if server else None
+    if pid and ctx.rank == 0:
+        deadline = time.monotonic() + QUIET_LIMIT
+        before = _server_cpu(pid)
+        while before is not None and time.monotonic() < deadline:
+            time.sleep(QUIET_LOOK)
+            now = _server_cpu(pid)
+            if now is None or now - before < QUIET_SHARE * QUIET_LOOK:
+                break
+            before = now
+    dist.barrier()
+
+
 def _save_and_warm(
     ctx: Ctx, system: System, state: dict[str, Any], dest: dict[str, Any], loc: str, warm: bool, check: bool,
 ) -> dict[str, float]:
-    """One save, then (``warm``) one load straight after it; seconds on the coordinator."""
+    """One save, then (``warm``) one load straight after it; seconds on the coordinator.
+    Each starts with the emulator idle (:func:`_server_quiet`)."""
     if ctx.rank == 0:
         system.cleanup(ctx, loc)  # leftovers of an interrupted run
-    dist.barrier()
+    _server_quiet(ctx, system)
     times = {"save": _timed(system.save, ctx, state, loc)}
     if warm:
         system.reset_dest(ctx, dest)
+        _server_quiet(ctx, system)
         times["load_warm"] = _timed(system.load, ctx, dest, loc)
         if check:
             system.verify(ctx, state, dest)

@@ -16,11 +16,20 @@ import datetime
 import json
 import multiprocessing
 import os
+import signal
+import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
 
-from dcp_ext._runtime.rank_watch import SAVE_PHASES, RankWatch, watched_group  # imported once, before the forks
+from dcp_ext._runtime.rank_watch import (  # imported once, before the forks
+    SAVE_PHASES,
+    Member,
+    RankWatch,
+    WatchedGroup,
+    watched_group,
+)
 
 
 def _rank(port: int, keys: Any) -> None:
@@ -53,3 +62,52 @@ def test_a_failed_ranks_ended_record_is_written_before_it_exits() -> None:
         record = dist.PrefixStore("0/", master)  # the default group's keys (torch 2.13)
         seen.append(json.loads(record.get(key))[0])
     assert seen == ["ended"] * 5, seen
+
+
+def _host_store(port_out: Any) -> None:
+    """(a child) Serve the rendezvous store, as rank 0 does under env://, until killed."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port_out.put(master.port)
+    while True:
+        time.sleep(1)
+
+
+def _diagnose_while_the_store_goes(port: int, host_pid: int, out: Any) -> None:
+    """(a child) Rank 1 of 3 diagnoses a failed collective; rank 0 (hosting the
+    store, failed too) ends during the diagnosis; rank 2 is stalled in ``write_data``."""
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    dist.init_process_group("gloo", store=client, rank=0, world_size=1)
+    members = tuple(Member(rank, f"host{rank}", f"10.0.0.{rank}") for rank in range(3))
+    group = WatchedGroup(dist.group.WORLD, members, 5.0, "gtest")
+    watch = RankWatch(group, SAVE_PHASES, interval=1.0)
+    watch.rank = 1  # this process plays rank 1; the others' records are written as they would be
+    watch.phase("written")
+    store = dist.distributed_c10d._get_default_store()
+    store.set(watch._key(0), json.dumps(["written", time.time(), 7]))
+    store.set(watch._key(2), json.dumps(["write_data", time.time() - 9, 9]))
+    threading.Timer(0.5, os.kill, (host_pid, signal.SIGKILL)).start()  # between the two reads, 1.5 s apart
+    culprits, step = watch.culprits()
+    out.put(([(c.member.rank, c.reason) for c in culprits], step))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def test_the_store_going_between_the_two_reads_does_not_blame_every_rank() -> None:
+    """Seen in CI (tests/test_cluster.py): the survivor named ranks [0, 2] for a
+    stalled rank 2, because rank 0, which hosts the store under env://, failed
+    too and its process ended between the survivor's two reads of the records."""
+    ctx = multiprocessing.get_context("fork")
+    ports, out = ctx.Queue(), ctx.Queue()
+    host = ctx.Process(target=_host_store, args=(ports,))
+    host.start()
+    try:
+        rank1 = ctx.Process(target=_diagnose_while_the_store_goes, args=(ports.get(timeout=30), host.pid, out))
+        rank1.start()
+        culprits, step = out.get(timeout=60)
+        rank1.join(30)
+    finally:
+        host.kill()
+        host.join(10)
+    assert step == "written"
+    assert culprits == [(2, culprits[0][1])] and "alive but still in 'write_data'" in culprits[0][1], culprits

@@ -315,7 +315,15 @@ class RankWatch:
             return [Culprit(m, "its host runs the rendezvous store, which does not answer: the host is down "
                                "or cut off") for m in hosting if m.rank != self.rank], step
         time.sleep(1.5 * self.interval)
-        second = self._read_all() or {}
+        second = self._read_all()
+        # The store can go between the reads: the rank hosting it (rank 0
+        # under init_process_group's env:// rendezvous) failed too and its
+        # process ended. Every record then looks gone; judge by the first
+        # read's phases instead, without the heartbeat comparison.
+        compared = second is not None
+        if second is None:
+            log.debug("rank watch: the store stopped answering between the two reads; judging by the first")
+            second = first
         mine = self.phases.index(step) if step in self.phases else len(self.phases)
         now = time.time()
         found = []
@@ -330,7 +338,7 @@ class RankWatch:
             phase, since, seq = after
             if phase == _ENDED:
                 continue  # it raised too, and is alive
-            if before is not None and before[2] == seq:
+            if compared and before is not None and before[2] == seq:
                 found.append(Culprit(member, f"silent: no heartbeat for {1.5 * self.interval:.0f} s, last in "
                                              f"{phase!r}: dead, or its host cut off"))
             elif phase in self.phases and self.phases.index(phase) < mine:

@@ -105,7 +105,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness.machine import machine_info
+from bench.harness.machine import machine_info, process_cpu_seconds
 from bench.harness.report import publish
 from bench.harness.storage import storage
 from bench.blocking_report import (
@@ -406,13 +406,7 @@ class MachineCpu:
     def _server(self) -> float:
         if self.server_pid is None:
             return 0.0
-        try:
-            with open(f"/proc/{self.server_pid}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        # utime, stime, cutime, cstime: fields 14-17 (rest starts at field 3)
-        return sum(int(x) for x in rest[11:15]) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_seconds(self.server_pid, children=True) or 0.0
 
     def _read(self) -> dict[str, float]:
         return {"machine_busy": self._busy(), "server": self._server(), "wall": time.perf_counter()}

@@ -4,7 +4,8 @@
 measure a disk (it names the work directory and its device);
 :func:`compact_machine_info` the shorter one of ``python -m bench.scale``,
 which writes no data (it names the dcp_ext measured and a digest of its
-uncommitted changes instead).
+uncommitted changes instead). :func:`process_cpu_seconds` reads a process's
+CPU time (a server started for a benchmark) from ``/proc``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
+
+
+def process_cpu_seconds(pid: int, children: bool = False) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used, with its reaped
+    children's if ``children``; ``None`` when it is gone (Linux ``/proc``)."""
+    try:
+        rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # utime, stime, cutime, cstime are fields 14-17; ``rest`` starts at field 3.
+    return sum(int(x) for x in rest[11:15 if children else 13]) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_model() -> str:

@@ -10,13 +10,13 @@ import resource
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import azure_systems, gcs_systems
+from .machine import process_cpu_seconds
 from .state import build_state, local_nbytes, make_spec
 from .systems import Ctx, DcpExt, System, make_systems
 
@@ -89,15 +89,6 @@ def _cleanup(ctx: Ctx, system: System, loc: str) -> None:
     dist.barrier()
 
 
-def _server_cpu(pid: int) -> float | None:
-    """CPU seconds the server process ``pid`` has used (``None``: it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 #: An emulator counts as idle when it used less than this share of a core over one look.
 QUIET_SHARE = 0.1
 QUIET_LOOK = 0.25  # seconds
@@ -120,10 +111,10 @@ def _server_quiet(ctx: Ctx, system: System) -> None:
     pid = server.get("pid") if server else None
     if pid and ctx.rank == 0:
         deadline = time.monotonic() + QUIET_LIMIT
-        before = _server_cpu(pid)
+        before = process_cpu_seconds(pid)
         while before is not None and time.monotonic() < deadline:
             time.sleep(QUIET_LOOK)
-            now = _server_cpu(pid)
+            now = process_cpu_seconds(pid)
             if now is None or now - before < QUIET_SHARE * QUIET_LOOK:
                 break
             before = now

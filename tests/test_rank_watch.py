@@ -1,13 +1,14 @@
-"""A rank's watch record outlives the rank: a failed save's ``ended`` record is
-in the rendezvous store before ``RankWatch.close(ok=False)`` returns.
+"""How a survivor of a failed collective names the missing ranks
+(``RankWatch.culprits``) when the other failed ranks end their processes.
 
-Seen in tests/test_cluster.py (1 run in 6): two survivors of a stalled rank
-timed out; the first raised, exited at once (as a rank process does), and
-took its queued ``ended`` record with it; the second, still diagnosing,
-found the first's heartbeat stopped and named it as dead beside the stalled
-rank. Here a real process (one gloo rank on a TCPStore this test serves)
-closes its watch after a failure and leaves with ``os._exit``, the way
-multiprocessing ends a rank; the record must say ``ended`` every time.
+tests/test_cluster.py's stalled-rank case named ranks [0, 2] for a stalled
+rank 2 (a local suite run and a fresh-clone ``.ci/run``, 2026-11-29). Two
+ways a rank that failed too could look dead, each tested with real processes
+(a gloo rank on a TCPStore) ending with ``os._exit``, as multiprocessing ends a rank:
+
+* its ``ended`` record was queued on the writer thread and lost at exit;
+* it hosted the store (rank 0 under env://), so the survivor's second read
+  of the records got no answer, which counted as every record gone.
 """
 
 from __future__ import annotations
@@ -94,9 +95,8 @@ def _diagnose_while_the_store_goes(port: int, host_pid: int, out: Any) -> None:
 
 
 def test_the_store_going_between_the_two_reads_does_not_blame_every_rank() -> None:
-    """Seen in CI (tests/test_cluster.py): the survivor named ranks [0, 2] for a
-    stalled rank 2, because rank 0, which hosts the store under env://, failed
-    too and its process ended between the survivor's two reads of the records."""
+    """Rank 0, which hosts the store under env://, failed too and its process
+    ended between the survivor's two reads of the records: only the stalled rank is named."""
     ctx = multiprocessing.get_context("fork")
     ports, out = ctx.Queue(), ctx.Queue()
     host = ctx.Process(target=_host_store, args=(ports,))

@@ -209,6 +209,65 @@ def test_restricted_unpickler_refuses_code(tmp_path) -> None:
     assert not marker.exists()
 
 
+def test_stock_save_pauses_the_collector_on_the_main_thread_only(tmp_path) -> None:
+    """Stock dcp.save on the main thread: the cyclic collector is paused from
+    the writer's prepare_local_plan through DCP's plan exchange (the global
+    plan) and write_data to the end of finish, and runs again afterwards. The
+    same save on another thread (where dcp.async_save runs it) pauses
+    nothing. A save that fails between the hooks ends the pause at the
+    writer's next reset; dcp_ext.save ends it on failure."""
+    import gc
+    import threading
+
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    seen: list[bool] = []
+
+    class Recording(DefaultSavePlanner):
+        fail = False
+
+        def create_global_plan(self, all_plans):  # type: ignore[no-untyped-def]
+            seen.append(gc.isenabled())
+            if self.fail:
+                raise RuntimeError("planning failed")
+            return super().create_global_plan(all_plans)
+
+        def resolve_data(self, write_item):  # type: ignore[no-untyped-def]
+            seen.append(gc.isenabled())
+            return super().resolve_data(write_item)
+
+    state = _sample_state()
+    assert gc.isenabled()
+    dcp.save(state, storage_writer=CheckpointWriter(str(tmp_path / "main")), planner=Recording())
+    assert seen and not any(seen) and gc.isenabled()
+    dest = zeros_like_state(state)
+    dcp.load(dest, storage_reader=CheckpointReader(str(tmp_path / "main")))
+    assert_same_state(dest, state)
+
+    seen.clear()
+    other = threading.Thread(target=lambda: dcp.save(state, storage_writer=CheckpointWriter(str(tmp_path / "thread")),
+                                                     planner=Recording()))
+    other.start()
+    other.join()
+    assert seen and all(seen) and gc.isenabled()
+    assert (tmp_path / "thread" / ".metadata").exists()
+
+    seen.clear()
+    failing = Recording()
+    failing.fail = True
+    writer = CheckpointWriter(str(tmp_path / "failed"))
+    with pytest.raises(BaseException) as failed:  # DCP's CheckpointException (a BaseException)
+        dcp.save(state, storage_writer=writer, planner=failing)
+    assert "planning failed" in repr(getattr(failed.value, "failures", failed.value))
+    assert seen == [False] and not gc.isenabled()  # write_data and finish never came
+    writer.reset()
+    assert gc.isenabled()
+    with pytest.raises(BaseException) as failed:
+        dcp_ext.save(state, tmp_path / "failed2", planner=failing)
+    assert "planning failed" in repr(getattr(failed.value, "failures", failed.value))
+    assert seen[-1] is False and gc.isenabled()
+
+
 def test_stock_load_pauses_the_collector_from_plan_exchange_to_the_last_read(tmp_path) -> None:
     """Stock dcp.load: the cyclic collector is paused from the reader's
     prepare_local_plan through DCP's plan exchange and global plan to the end

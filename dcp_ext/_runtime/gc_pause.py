@@ -25,7 +25,11 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["gc_paused", "GcLease"]
+__all__ = ["gc_paused", "GcLease", "LEASE_SECONDS"]
+
+#: The longest a :class:`GcLease` begun by a reader or writer hook lasts: a
+#: load or save that failed between its hooks never reaches the one that ends it.
+LEASE_SECONDS = 120.0
 
 _lock = threading.Lock()
 _depth = 0

@@ -92,6 +92,7 @@ def run_save(
                 continue
             raise error from error.__cause__
         finally:
+            writer.end_gc_lease()  # a save that failed before write_data or finish leaves it
             writer.rank_watch = None
             if watcher is not None:
                 watcher.close(ok=not failed)

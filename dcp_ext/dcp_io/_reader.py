@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .._runtime import GcLease, gc_paused, release_free_memory
+from .._runtime import LEASE_SECONDS, GcLease, gc_paused, release_free_memory
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError, DcpExtError
 from ..frames import FrameStats
@@ -51,11 +51,6 @@ if TYPE_CHECKING:
     from .._runtime import ExtensionRegistry
 
 __all__ = ["CheckpointReader"]
-
-#: The longest the collector stays paused between ``prepare_local_plan`` and
-#: the end of ``read_data`` (a load that failed in between never reaches it).
-_GC_LEASE_SECONDS = 120.0
-
 
 class CheckpointReader(StorageReader):
     """Load a DCP checkpoint from a local directory, shared POSIX or S3/fsspec.
@@ -360,7 +355,7 @@ class CheckpointReader(StorageReader):
         (:class:`~dcp_ext._runtime.GcLease`): only ``dcp.load`` calls this, and
         ``read_data`` next."""
         self.end_gc_lease()
-        self._gc_lease = GcLease(_GC_LEASE_SECONDS)
+        self._gc_lease = GcLease(LEASE_SECONDS)
         seen = None
         if self.read_once is not False and dist.is_available() and dist.is_initialized():
             seen = GroupSeen(dist.get_rank(self.process_group), dist.get_world_size(self.process_group),

@@ -211,8 +211,8 @@ def test_restricted_unpickler_refuses_code(tmp_path) -> None:
 
 def test_stock_save_pauses_the_collector_on_the_main_thread_only(tmp_path) -> None:
     """Stock dcp.save on the main thread: the cyclic collector is paused from
-    the writer's prepare_local_plan through DCP's plan exchange (the global
-    plan) and write_data to the end of finish, and runs again afterwards. The
+    the writer's set_up_storage_writer through DCP's local plan, the plan
+    exchange, the global plan and write_data to the end of finish, and runs again afterwards. The
     same save on another thread (where dcp.async_save runs it) pauses
     nothing. A save that fails between the hooks ends the pause at the
     writer's next reset; dcp_ext.save ends it on failure."""
@@ -225,6 +225,10 @@ def test_stock_save_pauses_the_collector_on_the_main_thread_only(tmp_path) -> No
 
     class Recording(DefaultSavePlanner):
         fail = False
+
+        def create_local_plan(self):  # type: ignore[no-untyped-def]
+            seen.append(gc.isenabled())
+            return super().create_local_plan()
 
         def create_global_plan(self, all_plans):  # type: ignore[no-untyped-def]
             seen.append(gc.isenabled())
@@ -259,7 +263,7 @@ def test_stock_save_pauses_the_collector_on_the_main_thread_only(tmp_path) -> No
     with pytest.raises(BaseException) as failed:  # DCP's CheckpointException (a BaseException)
         dcp.save(state, storage_writer=writer, planner=failing)
     assert "planning failed" in repr(getattr(failed.value, "failures", failed.value))
-    assert seen == [False] and not gc.isenabled()  # write_data and finish never came
+    assert seen == [False, False] and not gc.isenabled()  # write_data and finish never came
     writer.reset()
     assert gc.isenabled()
     with pytest.raises(BaseException) as failed:

@@ -104,7 +104,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     Lifecycle (DCP calls these; which ranks call each):
 
     0. (all ranks) ``reset(checkpoint_id)`` when ``checkpoint_id=`` is passed.
-    1. (all ranks) ``set_up_storage_writer``.
+    1. (all ranks) ``set_up_storage_writer``: on the main thread, pause the
+       cyclic collector until the rank's last hook returns (4 or 5).
     2. (all ranks) ``prepare_local_plan``: create the directory / check the bucket.
     3. (coordinator) ``prepare_global_plan``: refuse or invalidate an existing
        checkpoint, assign each rank its data file names.
@@ -253,7 +254,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.end_gc_lease()
 
     def end_gc_lease(self) -> None:
-        """(each rank) End the GC pause that :meth:`prepare_local_plan` began, if any."""
+        """(each rank) End the GC pause that :meth:`set_up_storage_writer` began, if any."""
         lease, self._gc_lease = self._gc_lease, None
         if lease is not None:
             lease.release()
@@ -278,7 +279,22 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.base_frames = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """(all ranks) Record this rank's role."""
+        """(all ranks) Record this rank's role.
+
+        Called on the main thread (a blocking save: training waits for it),
+        this pauses the cyclic collector until :meth:`write_data` returns on
+        the other ranks and :meth:`finish` on the coordinator
+        (:class:`~dcp_ext._runtime.GcLease`, at most ``LEASE_SECONDS``):
+        DCP plans next (allocating a few objects per item) and exchanges the
+        plans (pickling them), and a full collection falling there stalls
+        every rank (measured on a 2-rank 256 MiB Azure save: 4 full
+        collections of 141-345 ms in 7 saves, one in a 67 KB plan's
+        unpickling). Saves on other threads (``dcp.async_save``'s) leave the
+        collector alone: the main thread may be training.
+        """
+        self.end_gc_lease()
+        if threading.current_thread() is threading.main_thread():
+            self._gc_lease = GcLease(LEASE_SECONDS)
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
         if kwargs.get("use_collectives", True) is False:
@@ -289,22 +305,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """(all ranks) Make sure the checkpoint location can be written.
-
-        Called on the main thread (a blocking save: training waits for it),
-        this pauses the cyclic collector until :meth:`write_data` returns on
-        the other ranks and :meth:`finish` on the coordinator
-        (:class:`~dcp_ext._runtime.GcLease`, at most ``LEASE_SECONDS``): DCP's
-        plan exchange between the hooks pickles thousands of small objects,
-        and a full collection falling there stalled every rank (measured on a
-        2-rank 256 MiB Azure save: 4 full collections of 141-345 ms in 7
-        saves, one in a 67 KB plan's unpickling). Saves on other threads
-        (``dcp.async_save``'s) leave the collector alone: the main thread may
-        be training.
-        """
-        self.end_gc_lease()
-        if threading.current_thread() is threading.main_thread():
-            self._gc_lease = GcLease(LEASE_SECONDS)
+        """(all ranks) Make sure the checkpoint location can be written."""
         self.store.ensure_root()
         return plan
 

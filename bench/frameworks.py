@@ -553,6 +553,7 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
             "systems": [{"name": s.name, "framework": s.framework, "label": s.label, "settings": s.settings,
                          "bytes": nbytes[s.name]} for s in found],
             "seconds": {s.name: [] for s in found}, "order": [], "stored": {}, "files": {}, "prep": {}, "null": {}, "null_adapter": {},
+            "parts": {},
             "items": {},
         }
         # One system per framework: its own share of a save is the same for stock and dcp_ext.
@@ -570,6 +571,11 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
                 start = time.perf_counter()
                 where = system.save(step)
                 seconds = _slowest(time.perf_counter() - start)
+                parts = system.parts() if hasattr(system, "parts") else {}
+                for part in sorted(parts):  # the same names on every rank: the slower rank's
+                    slowest = _slowest(parts[part])
+                    if r:
+                        record["parts"].setdefault(system.name, {}).setdefault(part, []).append(slowest)
                 dist.barrier()
                 if hasattr(system, "after"):  # untimed: torch_checkpointing's rows load their first save back
                     system.after(step, where)

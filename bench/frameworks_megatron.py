@@ -43,8 +43,11 @@ directory created, since Megatron's ``save`` lists it first on rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import time
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["MegatronSystem", "megatron_state", "megatron_systems", "upload_folder"]
@@ -58,6 +61,33 @@ def upload_folder(local: str, url: str, options: dict[str, Any]) -> None:
 
     fs = s3fs.S3FileSystem(**options)
     fs.put(local.rstrip("/") + "/", url.rstrip("/") + "/", recursive=True)
+
+
+@contextlib.contextmanager
+def _timed_preprocess(seconds: list[float]) -> Iterator[None]:
+    """Append to ``seconds`` the time each call of Megatron's ``save_preprocess``
+    takes (its sharding validation, with ``validate_access_integrity``'s
+    all-gather of every rank's shard metadata, and the split of common from
+    sharded state): Megatron's own ``save`` and dcp_ext's ``megatron.save``
+    call it before any byte is written."""
+    from megatron.core.dist_checkpointing import serialization
+
+    from dcp_ext.integrations import megatron as dcp_megatron
+
+    original = serialization.save_preprocess
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    serialization.save_preprocess = dcp_megatron.save_preprocess = timed
+    try:
+        yield
+    finally:
+        serialization.save_preprocess = dcp_megatron.save_preprocess = original
 
 
 def megatron_state(model: Any, optimizers: Any, rank: int, world: int) -> dict[str, Any]:
@@ -98,6 +128,8 @@ class MegatronSystem:
         self.job = job
         self.options = dict(options or {})
         self.state: dict[str, Any] = {}
+        #: This rank's seconds of the last save's parts (:meth:`parts`).
+        self._parts: dict[str, float] = {}
         #: (S3 stock row) where Megatron's save writes before the upload.
         self.staging = f"{staging}/{self.name}" if stock and kind != "local" else None
         if stock and kind == "local":
@@ -150,22 +182,37 @@ class MegatronSystem:
         from tests.support.megatron_workers import cuda_calls_stubbed
 
         where = f"{self.root}/save-{i}"
-        if self.stock and self.staging:
-            import torch.distributed as dist
+        preprocess: list[float] = []
+        self._parts = {}
+        with _timed_preprocess(preprocess):
+            if self.stock and self.staging:
+                import torch.distributed as dist
 
-            with cuda_calls_stubbed():
-                dist_checkpointing.save(self.state, self._staged(i))  # ends in a barrier: every file written
-            if dist.get_rank() == 0:
-                upload_folder(self._staged(i), where, self.options)
-            dist.barrier()
-        elif self.stock:
-            with cuda_calls_stubbed():
-                dist_checkpointing.save(self.state, where)
-        elif self.kind == "local":
-            dist_checkpointing.save(self.state, where, sharded_strategy=dcp_megatron.DcpExtSaveShardedStrategy())
-        else:
-            dcp_megatron.save(self.state, where, storage_options=self.options)
+                start = time.perf_counter()
+                with cuda_calls_stubbed():
+                    dist_checkpointing.save(self.state, self._staged(i))  # ends in a barrier: every file written
+                self._parts["local_save"] = time.perf_counter() - start
+                start = time.perf_counter()
+                if dist.get_rank() == 0:
+                    upload_folder(self._staged(i), where, self.options)
+                dist.barrier()
+                self._parts["upload"] = time.perf_counter() - start
+            elif self.stock:
+                with cuda_calls_stubbed():
+                    dist_checkpointing.save(self.state, where)
+            elif self.kind == "local":
+                dist_checkpointing.save(self.state, where, sharded_strategy=dcp_megatron.DcpExtSaveShardedStrategy())
+            else:
+                dcp_megatron.save(self.state, where, storage_options=self.options)
+        self._parts["save_preprocess"] = sum(preprocess)
         return where
+
+    def parts(self) -> dict[str, float]:
+        """This rank's seconds of the last save's parts (untimed themselves):
+        ``save_preprocess`` (Megatron's, before any byte is written), and for
+        the S3 stock row ``local_save`` (Megatron's save to local disk) and
+        ``upload`` (rank 0's s3fs ``put``, to the barrier after it)."""
+        return dict(self._parts)
 
     def after(self, i: int, where: str) -> None:
         """(all ranks, untimed) The S3 stock row: delete the local copy the upload came from."""

@@ -88,8 +88,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     (ratio of medians, and the median of same-round ratios; for a default of another
     kind, ``CEILINGS``, rounds of the two kinds paired by their order)."""
     med = statistics.median
-    out: dict[str, Any] = {"rows": {}, "ratios": {}, "fixed": {}, "references": {}}
+    out: dict[str, Any] = {"rows": {}, "ratios": {}, "fixed": {}, "references": {}, "parts": {}}
     for kind, rec in result["kinds"].items():
+        for name, parts in rec.get("parts", {}).items():
+            out["parts"].setdefault(kind, {})[name] = {part: med(secs) for part, secs in parts.items()}
         for fw, secs in rec.get("prep", {}).items():
             adapter = rec.get("null_adapter", {}).get(fw)
             out["fixed"][fw] = {"prep_s": med(secs), "null_save_s": med(rec["null"][fw]),
@@ -183,6 +185,17 @@ def render(record: dict[str, Any]) -> str:
                 rows = s["rows"][kind]
                 lines.append(f"| {titles[kind]} | {rows[e['ours']]['label']} / {rows[e['reference']]['label']} | "
                              f"{e['what']} | {e['ratio']:.2f}× [{e['paired']:.2f}] |")
+    if s.get("parts"):
+        lines += ["", "Parts of the saves above (median seconds, slower rank): `save_preprocess` is Megatron's "
+                  "(sharding validation with `validate_access_integrity`'s all-gather; both Megatron rows call it "
+                  "before any byte is written); the S3 stock row's local save and upload.", "",
+                  "| storage | system | part | median s | share of the row's median save |", "|---|---|---|---:|---:|"]
+        for kind, systems in s["parts"].items():
+            for name, parts in systems.items():
+                row = s["rows"][kind][name]
+                for part, secs in parts.items():
+                    lines.append(f"| {titles[kind]} | {row['label']} | `{part}` | {secs:.2f} | "
+                                 f"{secs / row['median_s']:.0%} |")
     if s["fixed"]:
         built = {"torchtitan": " (flatten + each `Stateful`'s `state_dict` + `gc.collect(1)`)",
                  "lightning": " (`dump_checkpoint`)", "dcp": ""}

@@ -14,7 +14,7 @@ from .compat import (
     set_element,
 )
 from .failpoints import crash_point, fail_point
-from .gc_pause import LEASE_SECONDS, GcLease, gc_paused
+from .gc_pause import LEASE_SECONDS, GcLease, HookPause, gc_paused
 from .group import GroupView
 from .names import validate_name_part, validate_relative_name
 from .nodes import NodeMap, local_node_identity
@@ -26,6 +26,7 @@ __all__ = [
     "ExtensionRegistry",
     "FLATTEN_MAPPING",
     "GcLease",
+    "HookPause",
     "GroupView",
     "LEASE_SECONDS",
     "LOAD_PHASES",

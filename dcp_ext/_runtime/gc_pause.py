@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["gc_paused", "GcLease", "LEASE_SECONDS"]
+__all__ = ["gc_paused", "GcLease", "HookPause", "LEASE_SECONDS"]
 
 #: The longest a :class:`GcLease` begun by a reader or writer hook lasts: a
 #: load or save that failed between its hooks never reaches the one that ends it.
@@ -91,3 +91,40 @@ class GcLease:
             self._released = True
         self._timer.cancel()
         _resume()
+
+
+class HookPause:
+    """A GC pause held between a storage writer's or reader's hooks: DCP's
+    collectives between them pickle thousands of small objects, and a full
+    collection falling there stalls every rank.
+
+    :meth:`begin` takes a :class:`GcLease` of ``LEASE_SECONDS`` when called on
+    the main thread only: a save on another thread (``dcp.async_save`` runs
+    it there) may run beside training, which the pause would reach too.
+    """
+
+    def __init__(self) -> None:
+        self._lease: GcLease | None = None
+
+    def begin(self) -> None:
+        """End any earlier pause; on the main thread, start one."""
+        self.end()
+        if threading.current_thread() is threading.main_thread():
+            self._lease = GcLease(LEASE_SECONDS)
+
+    def end(self) -> None:
+        """End the pause :meth:`begin` started, if any (a second call does nothing)."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+
+    @contextmanager
+    def ending_after(self, unless_ok: bool = False) -> Iterator[None]:
+        """End the pause when the block exits; with ``unless_ok``, only when it raises."""
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            if not (ok and unless_ok):
+                self.end()

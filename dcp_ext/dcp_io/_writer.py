@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._runtime import LEASE_SECONDS, GcLease, crash_point, release_free_memory
+from .._runtime import HookPause, crash_point, release_free_memory
 from ..config import IOConfig
 from ..errors import CheckpointExistsError, DcpExtError, PlanMismatchError, PostCommitError
 from ..format import DTYPES, Codec, resolve_codec, tensor_bytes, torch_save_envelope
@@ -211,7 +211,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._replacing: list[str] = []
         #: This rank's phases in dcp_ext's own save calls (:mod:`dcp_ext.dcp_io._watched`), else ``None``.
         self.rank_watch: Any = None
-        self._gc_lease: GcLease | None = None
+        self._gc_pause = HookPause()
 
     # -- helpers ----------------------------------------------------------------
     @property
@@ -238,7 +238,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         """Pickled without its store, lock and rank watch: an open store holds clients, sockets and
         thread pools; a copy in another process (process-based uploads) opens its own."""
         state = dict(self.__dict__)
-        state.update(_store=None, _lock=None, _strays=None, rank_watch=None, _gc_lease=None)
+        state.update(_store=None, _lock=None, _strays=None, rank_watch=None, _gc_pause=HookPause())
         return state
 
     # -- AsyncStager (dcp.async_save without async_stager) ------------------------
@@ -255,9 +255,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def end_gc_lease(self) -> None:
         """(each rank) End the GC pause that :meth:`set_up_storage_writer` began, if any."""
-        lease, self._gc_lease = self._gc_lease, None
-        if lease is not None:
-            lease.release()
+        self._gc_pause.end()
 
     # -- StorageWriter --------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -279,22 +277,14 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.base_frames = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """(all ranks) Record this rank's role.
-
-        Called on the main thread (a blocking save: training waits for it),
-        this pauses the cyclic collector until :meth:`write_data` returns on
-        the other ranks and :meth:`finish` on the coordinator
-        (:class:`~dcp_ext._runtime.GcLease`, at most ``LEASE_SECONDS``):
-        DCP plans next (allocating a few objects per item) and exchanges the
-        plans (pickling them), and a full collection falling there stalls
-        every rank (measured on a 2-rank 256 MiB Azure save: 4 full
-        collections of 141-345 ms in 7 saves, one in a 67 KB plan's
-        unpickling). Saves on other threads (``dcp.async_save``'s) leave the
-        collector alone: the main thread may be training.
+        """(all ranks) Record this rank's role; on the main thread, pause the
+        cyclic collector until this rank's last hook (:meth:`write_data`,
+        or :meth:`finish` on the coordinator) returns
+        (:class:`~dcp_ext._runtime.HookPause`). In a 2-rank 256 MiB Azure save
+        4 full collections of 141-345 ms fell in 7 saves without it, one in
+        DCP's unpickling of a 67 KB plan.
         """
-        self.end_gc_lease()
-        if threading.current_thread() is threading.main_thread():
-            self._gc_lease = GcLease(LEASE_SECONDS)
+        self._gc_pause.begin()
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
         if kwargs.get("use_collectives", True) is False:
@@ -353,14 +343,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """(all ranks) Stream this rank's items into its data files and commit them."""
-        failed = True
-        try:
-            future = self._write_data(plan, planner)
-            failed = False
-            return future
-        finally:
-            if failed or not self.is_coordinator:
-                self.end_gc_lease()  # the coordinator's ends in finish
+        with self._gc_pause.ending_after(unless_ok=self.is_coordinator):  # the coordinator's ends in finish
+            return self._write_data(plan, planner)
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment = plan.storage_data
@@ -381,11 +365,11 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         written: list[tuple[list[WriteItem], list[StoredItem]]] = []
         referenced: dict[str, int] = {}
         if len(files) == 1:
-            written = [self._write_file(store, files[0][0], files[0][1], planner, referenced)]
+            written = [_write_file(self, store, files[0][0], files[0][1], planner, referenced)]
         elif files:
             with ThreadPoolExecutor(len(files), thread_name_prefix="dcp_ext-write") as pool:
                 pending = [
-                    pool.submit(self._write_file, store, name, bucket, planner, referenced)
+                    pool.submit(_write_file, self, store, name, bucket, planner, referenced)
                     for name, bucket in files
                 ]
                 errors = []
@@ -417,45 +401,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         future.set_result(results)
         return future
 
-    def _write_file(
-        self, store: Store, name: str, items: list[WriteItem], planner: SavePlanner, referenced: dict[str, int]
-    ) -> tuple[list[WriteItem], list[StoredItem]]:
-        """Write one data file: each item's frames (:class:`~dcp_ext.frames.FrameEncoder`);
-        add the bytes its frames refer to in earlier checkpoints' files to ``referenced``."""
-        size_hint = sum(item_nbytes(i) + _ENVELOPE_ESTIMATE for i in items)
-        base = self.base_frames
-        hashing = self.incremental is not None
-        # Stored inside torch.save envelopes (for torch's readers), except in
-        # incremental saves, whose items may be partly in other files.
-        raw_tensors = self.codec is None and not hashing
-        with store.open_writer(name, size_hint=size_hint) as writer:
-            with FrameEncoder(writer, name, self.config.frame_size, self.codec, hashing=hashing) as frames:
-                for item in items:
-                    data = planner.resolve_data(item)
-                    keep, raw = _raw_view(data, item)
-                    known = base.get(item) if base is not None else None
-                    if keep is None:
-                        frames.add(raw, data, base=known)
-                    else:
-                        envelope = torch_save_envelope(keep.dtype, tuple(keep.shape)) if raw_tensors else None
-                        frames.add(raw, keep, dtype=keep.dtype, envelope=envelope, base=known)
-                    del data, keep, raw
-                stored = frames.finish()
-            with _REFERENCED_LOCK:  # files are written by parallel threads
-                for source, nbytes in frames.referenced.items():
-                    referenced[source] = referenced.get(source, 0) + nbytes
-            if self.config.metadata_version >= 3:
-                stored = _append_frame_index(writer, stored)
-            writer.commit()
-        self._written.append(name)
-        return items, stored
-
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Write the metadata, which commits the checkpoint."""
-        try:
+        with self._gc_pause.ending_after():
             self._finish(metadata, results)
-        finally:
-            self.end_gc_lease()
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self._phase("commit")
@@ -585,6 +534,42 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
+
+
+def _write_file(
+    owner: CheckpointWriter, store: Store, name: str, items: list[WriteItem], planner: SavePlanner,
+    referenced: dict[str, int],
+) -> tuple[list[WriteItem], list[StoredItem]]:
+    """(each rank, ``write_data``) Write one data file of ``owner``'s save:
+    each item's frames (:class:`~dcp_ext.frames.FrameEncoder`); add the bytes
+    its frames refer to in earlier checkpoints' files to ``referenced``."""
+    size_hint = sum(item_nbytes(i) + _ENVELOPE_ESTIMATE for i in items)
+    base = owner.base_frames
+    hashing = owner.incremental is not None
+    # Stored inside torch.save envelopes (for torch's readers), except in
+    # incremental saves, whose items may be partly in other files.
+    raw_tensors = owner.codec is None and not hashing
+    with store.open_writer(name, size_hint=size_hint) as writer:
+        with FrameEncoder(writer, name, owner.config.frame_size, owner.codec, hashing=hashing) as frames:
+            for item in items:
+                data = planner.resolve_data(item)
+                keep, raw = _raw_view(data, item)
+                known = base.get(item) if base is not None else None
+                if keep is None:
+                    frames.add(raw, data, base=known)
+                else:
+                    envelope = torch_save_envelope(keep.dtype, tuple(keep.shape)) if raw_tensors else None
+                    frames.add(raw, keep, dtype=keep.dtype, envelope=envelope, base=known)
+                del data, keep, raw
+            stored = frames.finish()
+        with _REFERENCED_LOCK:  # files are written by parallel threads
+            for source, nbytes in frames.referenced.items():
+                referenced[source] = referenced.get(source, 0) + nbytes
+        if owner.config.metadata_version >= 3:
+            stored = _append_frame_index(writer, stored)
+        writer.commit()
+    owner._written.append(name)
+    return items, stored
 
 
 def _incremental_section(incremental: IncrementalSave | None, base_frames: BaseFrames | None,

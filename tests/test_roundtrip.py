@@ -209,6 +209,51 @@ def test_restricted_unpickler_refuses_code(tmp_path) -> None:
     assert not marker.exists()
 
 
+def test_saves_skip_dcps_per_key_wrapping_unless_a_value_is_stateful(tmp_path, monkeypatch) -> None:
+    """dcp_ext's saves go straight to DCP's _save_state_dict when no top-level
+    value is Stateful (dcp.save would wrap each key in its call logger first),
+    and through dcp.save, whose wrapping calls state_dict(), when one is;
+    both load back bit-exact."""
+    from torch.distributed.checkpoint import state_dict_saver
+
+    wrapped: list[int] = []
+    original = state_dict_saver._stateful_to_state_dict
+
+    def recording(state_dict):  # type: ignore[no-untyped-def]
+        wrapped.append(len(state_dict))
+        return original(state_dict)
+
+    monkeypatch.setattr(state_dict_saver, "_stateful_to_state_dict", recording)
+    state = {key: value for key, value in _sample_state().items() if key != "nested"}  # its BytesIO is refused
+    dcp_ext.save(state, tmp_path / "plain")
+    assert wrapped == []
+    dest = zeros_like_state(state)
+    dcp_ext.load(dest, tmp_path / "plain")
+    assert_same_state(dest, state)
+
+    class Counter:
+        def __init__(self) -> None:
+            self.value = torch.arange(4)
+            self.saved = 0
+
+        def state_dict(self) -> dict[str, torch.Tensor]:
+            self.saved += 1
+            return {"value": self.value}
+
+        def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+            self.value = state_dict["value"]
+
+    counter = Counter()
+    dcp_ext.save({**state, "counter": counter}, tmp_path / "stateful")
+    assert wrapped == [len(state) + 1] and counter.saved == 1
+    restored = Counter()
+    restored.value = torch.zeros(4, dtype=torch.int64)
+    dest = zeros_like_state(state)
+    dcp_ext.load({**dest, "counter": restored}, tmp_path / "stateful")
+    assert_same_state(dest, state)
+    assert torch.equal(restored.value, torch.arange(4))
+
+
 def test_stock_save_pauses_the_collector_on_the_main_thread_only(tmp_path) -> None:
     """Stock dcp.save on the main thread: the cyclic collector is paused from
     the writer's set_up_storage_writer through DCP's local plan, the plan

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .._runtime import LOAD_PHASES, SAVE_PHASES, gc_paused, torch_notices_quieted
 from ..errors import DcpExtError, PlanCacheError, PostCommitError, unwrap_checkpoint_exception
@@ -64,6 +68,41 @@ def _save_failure(writer: CheckpointWriter, planner: SavePlanner | None, exc: Ba
     return error
 
 
+def _direct_saver() -> Any:
+    """DCP's ``_save_state_dict`` if it takes the arguments :func:`dcp_save` gives, else ``None``."""
+    direct = getattr(state_dict_saver, "_save_state_dict", None)
+    if direct is None:
+        return None
+    wanted = {"state_dict", "storage_writer", "process_group", "no_dist", "planner"}
+    return direct if wanted <= set(inspect.signature(direct).parameters) else None
+
+
+_DIRECT_SAVE = _direct_saver()
+
+
+def dcp_save(state: dict[str, Any], writer: CheckpointWriter, planner: SavePlanner | None,
+             process_group: Any) -> Metadata:
+    """(all ranks) ``dcp.save(state, storage_writer=writer, ...)``, without its
+    per-key cost when no top-level value of ``state`` is ``Stateful``.
+
+    ``dcp.save`` first wraps each top-level value in DCP's call logger
+    (``_stateful_to_state_dict``: a UUID and a c10d message dict per key;
+    measured 0.18 ms per key here, 0.14 s for the 770 keys of a Megatron state
+    dict, 0.06 s for a 355-tensor model). For a state without ``Stateful``
+    values that wrapping changes nothing, so this goes straight to DCP's
+    ``_save_state_dict``, as ``dcp.save`` does next; with a ``Stateful`` value,
+    or a torch whose ``_save_state_dict`` differs, it calls ``dcp.save``.
+    """
+    if _DIRECT_SAVE is None or any(isinstance(value, Stateful) for value in state.values()):
+        metadata: Metadata = state_dict_saver.save(state, storage_writer=writer, planner=planner,
+                                                   process_group=process_group)
+        return metadata
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    direct: Metadata = _DIRECT_SAVE(state_dict=dict(state), storage_writer=writer, process_group=process_group,
+                                    no_dist=no_dist, planner=planner)
+    return direct
+
+
 def run_save(
     state: dict[str, Any], writer: CheckpointWriter, planner: SavePlanner | None, process_group: Any
 ) -> Metadata:
@@ -73,15 +112,13 @@ def run_save(
     to the coordinator, found before anything is locked or written) is
     answered by planning again, once, on every rank.
     """
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
     for attempt in (1, 2):
         group, watcher = watch(process_group, writer.config, SAVE_PHASES)
         writer.rank_watch = watcher
         failed = True
         try:
             with gc_paused(), torch_notices_quieted():
-                metadata: Metadata = dcp_save(state, storage_writer=writer, planner=planner, process_group=group)
+                metadata = dcp_save(state, writer, planner, group)
             failed = False
         except BaseException as exc:
             error = rank_failure(watcher, exc, dcp_failure(exc), "save", writer.path, writer.outcome)

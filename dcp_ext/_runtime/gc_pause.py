@@ -15,7 +15,8 @@ starts in ``prepare_local_plan`` (which only ``dcp.load`` calls) and ends when
 and ``read_data`` never came (measured: a 2-rank
 1 GiB warm load took 0.32-0.33 s, and 0.44-0.58 s in the 2 loads of 5 where a
 full collection fell inside DCP's plan exchange, 0.37-0.42 s of it unpickling
-a 59 KB plan).
+a 59 KB plan). A stock ``dcp.save`` gets the same from the writer, from
+``set_up_storage_writer`` to its last hook (:class:`HookPause`, both).
 """
 
 from __future__ import annotations
@@ -98,18 +99,23 @@ class HookPause:
     collectives between them pickle thousands of small objects, and a full
     collection falling there stalls every rank.
 
-    :meth:`begin` takes a :class:`GcLease` of ``LEASE_SECONDS`` when called on
-    the main thread only: a save on another thread (``dcp.async_save`` runs
-    it there) may run beside training, which the pause would reach too.
+    :meth:`begin` takes a :class:`GcLease` of ``LEASE_SECONDS``; with
+    ``main_thread_only`` (the writer's), only when called on the main thread:
+    a save on another thread (``dcp.async_save`` runs it there) may run
+    beside training, which the pause would reach too.
+
+    Args:
+        main_thread_only: Pause nothing when :meth:`begin` runs on another thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, main_thread_only: bool = True) -> None:
         self._lease: GcLease | None = None
+        self._main_thread_only = main_thread_only
 
     def begin(self) -> None:
-        """End any earlier pause; on the main thread, start one."""
+        """End any earlier pause; start one (with ``main_thread_only``, on the main thread only)."""
         self.end()
-        if threading.current_thread() is threading.main_thread():
+        if not self._main_thread_only or threading.current_thread() is threading.main_thread():
             self._lease = GcLease(LEASE_SECONDS)
 
     def end(self) -> None:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .._runtime import LEASE_SECONDS, GcLease, gc_paused, release_free_memory
+from .._runtime import HookPause, gc_paused, release_free_memory
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError, DcpExtError
 from ..frames import FrameStats
@@ -200,7 +200,7 @@ class CheckpointReader(StorageReader):
         # The metadata file the current load started from and the xxh3-64 of
         # its bytes: a read that fails is checked against it (replaced_error).
         self._metadata_seen: tuple[str, int] | None = None
-        self._gc_lease: GcLease | None = None
+        self._gc_pause = HookPause(main_thread_only=False)
         self.last_exchange: Exchange | None = None
         """The read-once exchange of this rank's last ``read_data`` (``None`` when it read
         everything itself); tests read its plan."""
@@ -279,9 +279,7 @@ class CheckpointReader(StorageReader):
 
     def end_gc_lease(self) -> None:
         """(each rank) End the GC pause that :meth:`prepare_local_plan` began, if any."""
-        lease, self._gc_lease = self._gc_lease, None
-        if lease is not None:
-            lease.release()
+        self._gc_pause.end()
 
     def missing_metadata_error(self) -> DcpExtError:
         """The error for a path without metadata: nothing there, an
@@ -352,10 +350,9 @@ class CheckpointReader(StorageReader):
 
         From here until :meth:`read_data` returns (DCP's plan exchange, the
         global plan, the reads) the cyclic collector is paused
-        (:class:`~dcp_ext._runtime.GcLease`): only ``dcp.load`` calls this, and
+        (:class:`~dcp_ext._runtime.HookPause`): only ``dcp.load`` calls this, and
         ``read_data`` next."""
-        self.end_gc_lease()
-        self._gc_lease = GcLease(LEASE_SECONDS)
+        self._gc_pause.begin()
         seen = None
         if self.read_once is not False and dist.is_available() and dist.is_initialized():
             seen = GroupSeen(dist.get_rank(self.process_group), dist.get_world_size(self.process_group),

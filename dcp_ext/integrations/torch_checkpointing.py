@@ -27,6 +27,7 @@ URL (``remap_path`` returns it), so checkpoint ids are written as usual::
     config.storage_config = DcpExtStorageConfig(storage_options=opts)
     config.save.writer_config.write_to_temp_dir = False   # object stores: no directory rename ...
     config.finalize_callback = commit_marker               # ... a commit marker instead
+    config.save.writer_config.file_write_max_threads = 4   # a rank's files upload at once
     manager = config.build()
     manager.save("s3://bucket/run1/step_100", {"model": model.state_dict(), "step": 100})
     if is_committed("s3://bucket/run1/step_100", opts):
@@ -57,14 +58,17 @@ sent as a part of a multipart upload as soon as it is full, up to
 ``max_concurrency`` parts in flight (a file under one part is one ``PUT``);
 ``close`` returns once the upload is complete, so a closed file is durable.
 torch_checkpointing writes a rank's files one after another
-(``file_write_max_threads=1``, its default); with more threads the storage
-writes them at once, their parts sharing the store's ``max_concurrency + 1``
-part buffers (memory stays bounded). Besides the uploads a save sends one
-bucket check and one ``HEAD`` per directory (``mkdir``: is it sealed?) and,
-with :func:`commit_marker`, the marker's ``PUT``; nothing per file. On
-SeaweedFS (``python -m bench.frameworks``, bench/README.md) such a save runs
-at 0.93x a raw boto3 multipart upload of the same bytes and faster than
-``dcp_ext.save`` of the same tensors: what is left is the server.
+(``file_write_max_threads=1``, its default), so each file's last parts go
+out with the connections half idle before the next file starts; set
+``file_write_max_threads`` to 4 on object stores (as above) and the storage
+writes the files at once, their parts sharing the store's
+``max_concurrency + 1`` part buffers (memory stays bounded). Besides the
+uploads a save sends one bucket check and one ``HEAD`` per directory
+(``mkdir``: is it sealed?) and, with :func:`commit_marker`, the marker's
+``PUT``; nothing per file. On SeaweedFS (``python -m bench.frameworks``,
+bench/README.md; 2 ranks, 385 MiB) such a save took 5.74 s with one thread
+(0.76x a raw boto3 multipart upload of the same bytes) and 4.51 s with
+three (1.04x): with concurrent files, what is left is the server.
 
 **What differs from torch_checkpointing's local backend**: object stores
 have no directories, so writing a file needs no ``mkdir`` first (on local

@@ -328,10 +328,12 @@ def test_tiling(shape: tuple[int, ...], boxes: list[Any], problem: str | None) -
 
 
 def test_tiling_of_many_chunks_is_fast() -> None:
-    """A 256 x 256 grid (65,536 chunks), 100,000 row chunks and an irregular 400-chunk layout in well under a second."""
+    """A 256 x 256 grid (65,536 chunks), 100,000 row chunks and an irregular 400-chunk layout in well under a
+    second of CPU (the process's CPU time, not wall time: a busy or shared machine must not fail it; a check
+    quadratic in the chunks would take minutes)."""
     import time
 
-    started = time.perf_counter()
+    started = time.process_time()
     grid = [((r * 2, c * 3), (2, 3)) for r in range(256) for c in range(256)]
     assert tiling_problem("g", (512, 768), *_chunks(*grid)) is None
     rows = [((r,), (1,)) for r in range(100_000)][::-1]
@@ -339,7 +341,7 @@ def test_tiling_of_many_chunks_is_fast() -> None:
     bands = [box for b in range(200) for box in (((b, 0), (1, 1 + b % 7)), ((b, 1 + b % 7), (1, 9 - b % 7)))]
     assert tiling_problem("i", (200, 10), *_chunks(*bands)) is None
     assert "overlap" in (tiling_problem("i", (200, 10), *_chunks(*bands[:-1], ((199, 1), (1, 9)))) or "")
-    assert time.perf_counter() - started < 3.0
+    assert time.process_time() - started < 3.0
 
 
 def test_errors_are_typed_for_every_reader(base: Path, tmp_path: Path) -> None:

@@ -386,24 +386,21 @@ class CheckpointReader(StorageReader):
         watcher = self.rank_watch
         if watcher is not None:
             watcher.phase("read_data")
-        try:
-            with gc_paused():
-                try:
-                    if isinstance(plan.storage_data, RankExchange):
-                        self._read_exchanging(plan, planner, plan.storage_data)
-                    else:
-                        self._reads.read_all(plan, planner)
-                except DcpExtError as err:
-                    replaced = self.replaced_error(err)
-                    if isinstance(plan.storage_data, RankExchange):
-                        # DCP's own collective after read_data fails too when a
-                        # rank died, hiding this error; dcp_ext.load raises it.
-                        self.last_error = replaced
-                    if replaced is not err:
-                        raise replaced from err
-                    raise
-        finally:
-            self.end_gc_lease()
+        with self._gc_pause.ending_after(), gc_paused():
+            try:
+                if isinstance(plan.storage_data, RankExchange):
+                    self._read_exchanging(plan, planner, plan.storage_data)
+                else:
+                    self._reads.read_all(plan, planner)
+            except DcpExtError as err:
+                replaced = self.replaced_error(err)
+                if isinstance(plan.storage_data, RankExchange):
+                    # DCP's own collective after read_data fails too when a
+                    # rank died, hiding this error; dcp_ext.load raises it.
+                    self.last_error = replaced
+                if replaced is not err:
+                    raise replaced from err
+                raise
         if watcher is not None:
             watcher.phase("read")
         release_free_memory()

@@ -68,7 +68,8 @@ uploads a save sends one bucket check and one ``HEAD`` per directory
 ``PUT``; nothing per file. On SeaweedFS (``python -m bench.frameworks``,
 bench/README.md; 2 ranks, 385 MiB) such a save took 5.74 s with one thread
 (0.76x a raw boto3 multipart upload of the same bytes) and 4.51 s with
-three (1.04x): with concurrent files, what is left is the server.
+three (1.04x); with four, in a later 5-round run, 4.57 s (0.98x): with
+concurrent files, what is left is the server.
 
 **What differs from torch_checkpointing's local backend**: object stores
 have no directories, so writing a file needs no ``mkdir`` first (on local

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +33,10 @@ def _recipe() -> str:
 def _torchrun(script: Path, root: Path, steps: int, cwd: Path) -> None:
     env = {**os.environ, "CKPT_ROOT": str(root), "STEPS": str(steps), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(port), str(script)], cwd=cwd, env=env,
+    # --standalone: the rendezvous binds a port the kernel picks and holds it (a probed "free" port can be
+    # taken by another test's server before torchrun binds it).
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 

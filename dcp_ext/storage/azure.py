@@ -2,7 +2,7 @@
 
 * A data file is a block blob built from ``block_size`` blocks, staged in
   parallel (Put Block) by up to ``max_concurrency`` threads from the store's
-  pooled buffers (the S3 store's :class:`~dcp_ext.storage.s3._PartBuffers`:
+  pooled buffers (:class:`~dcp_ext.storage._part_buffers.PartBuffers`, as S3 and GCS:
   every file a rank writes at once shares at most
   ``block_size * (max_concurrency + 1)`` bytes), then committed in one Put
   Block List. Staged blocks are invisible: the blob appears, whole, when the
@@ -66,9 +66,9 @@ from ._azure_client import (
 from ._azure_options import MAX_BLOCKS, AzureOptions
 from ._base import IncompleteUpload, ObjectWriter, Store, request_views, scatter
 from ._parallel import run_each
+from ._part_buffers import PartBuffers
 from ._ranges import ReadRequest
 from ._retry import retry_sync
-from .s3 import _PartBuffers
 
 __all__ = ["AzureStore", "split_azure_url"]
 
@@ -281,7 +281,7 @@ class AzureStore(Store):
         """The account's endpoint, credentials and pooled HTTP connections, shared by the stores
         of the process that use the same ones."""
         self._container_checked = False
-        self._buffers = _PartBuffers(self.options.max_concurrency + 1)
+        self._buffers = PartBuffers(self.options.max_concurrency + 1)
 
     def blob(self, name: str) -> str:
         """The blob name of file ``name``."""

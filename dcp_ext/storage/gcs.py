@@ -73,9 +73,9 @@ from ._gcs_client import (
 from ._gcs_options import GCSOptions
 from ._gcs_writer import GCSWriter, temporary_pattern
 from ._parallel import run_each
+from ._part_buffers import PartBuffers
 from ._ranges import ReadRequest
 from ._retry import retry_sync
-from .s3 import _PartBuffers
 
 __all__ = ["GCSStore", "split_gcs_url"]
 
@@ -130,7 +130,7 @@ class GCSStore(Store):
         self.connection: GCSConnection = get_connection(self.options)
         """The HTTP connection pool of this endpoint and credentials, shared by the stores of the
         process that use the same ones."""
-        self.part_buffers = _PartBuffers(self.options.max_concurrency + 1)
+        self.part_buffers = PartBuffers(self.options.max_concurrency + 1)
         """The part buffers the store's writers share: at most ``max_concurrency + 1`` parts in
         memory, whatever the number of files."""
 

@@ -50,6 +50,7 @@ from ..errors import (
 )
 from ._base import IncompleteUpload, ObjectWriter, Store, request_views, scatter
 from ._parallel import run_each
+from ._part_buffers import PartBuffers
 from ._ranges import ReadRequest
 from ._rate_limit import LimiterStats, PrefixRateLimiters
 from ._retry import retry_sync
@@ -86,61 +87,6 @@ def split_s3_url(url: str) -> tuple[str, str]:
     if not bucket:
         raise ValueError(f"S3 URL {url!r} names no bucket")
     return bucket, key.strip("/")
-
-
-class _PartBuffers:
-    """Part buffers shared by every writer of one store: at most ``limit``
-    allocated at a time, reused from part to part and from file to file, and
-    dropped when the last writer is done with them.
-
-    A writer asks for a buffer only after sending its full one, so a writer
-    waiting here holds none, and the buffers it waits for are either parts in
-    flight or other writers' buffers being filled: both come back.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._cond = threading.Condition()
-        self._free: list[bytearray] = []
-        self._allocated = 0
-        self._users = 0
-
-    def join(self) -> None:
-        with self._cond:
-            self._users += 1
-
-    def leave(self) -> None:
-        with self._cond:
-            self._users -= 1
-            if self._users == 0:
-                self._allocated -= len(self._free)
-                self._free.clear()
-
-    def get(self, size: int) -> bytearray:
-        with self._cond:
-            while True:
-                if self._free:
-                    buffer = self._free.pop()
-                    if len(buffer) == size:
-                        return buffer
-                    self._allocated -= 1  # another file's part size: drop it
-                    continue
-                if self._allocated < self._limit:
-                    self._allocated += 1
-                    break
-                self._cond.wait()
-        try:
-            return bytearray(size)
-        except BaseException:
-            with self._cond:
-                self._allocated -= 1
-                self._cond.notify()
-            raise
-
-    def put(self, buffer: bytearray) -> None:
-        with self._cond:
-            self._free.append(buffer)
-            self._cond.notify()
 
 
 class _S3Writer(ObjectWriter):
@@ -351,7 +297,7 @@ class S3Store(Store):
         """The botocore client and per-request parameters of this endpoint and credentials,
         shared by the stores of the process that use the same ones."""
         self._bucket_checked = False
-        self._part_buffers = _PartBuffers(config.max_concurrency + 1)
+        self._part_buffers = PartBuffers(config.max_concurrency + 1)
         self.rate_limiters = PrefixRateLimiters(label=f"s3://{self.bucket}/")
         """The request pacing of each key prefix: slows down on ``503 SlowDown`` (see
         ``IOConfig.key_prefixes``)."""

@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 from ..errors import StorageError
-from ._base import TMP_MARK, IOStats, ObjectWriter
+from ._base import TMP_MARK, IOStats
 from ._gcs_options import GCSOptions
+from ._part_upload import PartBuffers, PartUploadWriter
 
 __all__ = ["GCSWriter", "PartStore", "MAX_COMPOSE", "temporary_pattern", "fold_plan"]
 
@@ -73,7 +72,7 @@ class PartStore(Protocol):
 
     options: GCSOptions
     stats: IOStats
-    part_buffers: Any  # the store's pooled part buffers (get / put / join / leave)
+    part_buffers: PartBuffers
 
     def key(self, name: str) -> str: ...
     def describe(self, name: str = "") -> str: ...
@@ -85,31 +84,19 @@ class PartStore(Protocol):
     def list_objects(self, prefix: str, delimiter: bool) -> tuple[list[dict[str, Any]], list[str]]: ...
 
 
-class GCSWriter(ObjectWriter):
+class GCSWriter(PartUploadWriter):
     """A parallel composite upload from the store's pooled part buffers (see the module docstring)."""
 
     def __init__(self, store: PartStore, name: str) -> None:
-        super().__init__(name)
+        super().__init__(name, store.part_buffers, store.options.part_size, store.options.max_concurrency,
+                         store.stats, "dcp_ext-gcs-put")
         self._store = store
         self._key = store.key(name)
         self._where = store.describe(name)
-        self._part_size = store.options.part_size
-        self._buffers = store.part_buffers
-        self._buffers.join()
-        self._left_pool = False
-        self._buffer: bytearray | None = None
-        self._filled = 0
         self._temporary = f"{self._key}{TMP_MARK}{uuid.uuid4().hex[:12]}"
-        self._pool: ThreadPoolExecutor | None = None
-        self._futures: list[Future[None]] = []
-        self._parts = 0
         self._group_left: dict[int, int] = {}  # group -> its parts not stored yet
         self._folding: set[int] = set()  # groups being (or already) composed
         self._groups: dict[int, str] = {}  # group -> the temporary its parts were composed into
-        self._error: BaseException | None = None
-        self._stopping = False  # aborting: fold nothing more
-        self._lock = threading.Lock()
-        self._done = False
 
     def _part(self, number: int) -> str:
         return f"{self._temporary}.p{number:06d}"
@@ -117,67 +104,21 @@ class GCSWriter(ObjectWriter):
     def _group(self, level: int, number: int) -> str:
         return f"{self._temporary}.g{level}-{number:06d}"
 
-    # -- writing ------------------------------------------------------------------------------
-    def write(self, data: memoryview | bytes | bytearray) -> None:
-        self._raise_if_failed()
-        view = memoryview(data).cast("B")
-        self.position += view.nbytes
-        while view.nbytes:
-            if self._buffer is None:
-                self._buffer = self._buffers.get(self._part_size)
-                self._filled = 0
-            take = min(view.nbytes, self._part_size - self._filled)
-            self._buffer[self._filled : self._filled + take] = view[:take]
-            self._filled += take
-            view = view[take:]
-            if self._filled == self._part_size:
-                buffer, self._buffer, self._filled = self._buffer, None, 0
-                self._send(buffer, self._part_size)
-
-    def _raise_if_failed(self) -> None:
+    # -- parts --------------------------------------------------------------------------------
+    def _before_part(self, index: int) -> None:
         with self._lock:
-            error = self._error
-        if error is not None:
-            raise error
+            self._group_left.setdefault(index // MAX_COMPOSE, MAX_COMPOSE)
 
-    def _fail(self, err: BaseException) -> None:
-        with self._lock:
-            if self._error is None:
-                self._error = err
+    def _part_sent(self, index: int) -> None:
+        if index and index % MAX_COMPOSE == 0:
+            self._fold_if_ready(index // MAX_COMPOSE - 1)  # the file goes on past that group
 
-    def _submit(self, fn: Any, *args: Any) -> Future[None]:
-        assert self._pool is not None
-        future: Future[None] = self._pool.submit(fn, *args)
-        with self._lock:
-            self._futures.append(future)
-        return future
+    def _send_part(self, index: int, buffer: bytearray, length: int) -> None:
+        self._store.upload_media(self._part(index), memoryview(buffer)[:length],
+                                 f"uploading part {index} of {self._where} as")
 
-    def _send(self, buffer: bytearray, length: int) -> None:
-        """Upload ``buffer[:length]`` as the next part; the buffer goes back to the pool after."""
-        self._raise_if_failed()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._store.options.max_concurrency, thread_name_prefix="dcp_ext-gcs-put")
-        with self._lock:
-            number = self._parts
-            self._parts += 1
-            self._group_left.setdefault(number // MAX_COMPOSE, MAX_COMPOSE)
-        future = self._submit(self._upload_part, number, buffer, length)
-        if number and number % MAX_COMPOSE == 0:
-            self._fold_if_ready(number // MAX_COMPOSE - 1)  # the file goes on past that group
-        # A part cancelled before it ran gives its buffer back here.
-        future.add_done_callback(lambda f: self._buffers.put(buffer) if f.cancelled() else None)
-
-    def _upload_part(self, number: int, buffer: bytearray, length: int) -> None:
-        try:
-            self._raise_if_failed()  # another part failed for good: this upload is lost anyway
-            self._store.upload_media(self._part(number), memoryview(buffer)[:length],
-                                     f"uploading part {number} of {self._where} as")
-        except BaseException as err:
-            self._fail(err)
-            raise
-        finally:
-            self._buffers.put(buffer)
-        group = number // MAX_COMPOSE
+    def _part_stored(self, index: int) -> None:
+        group = index // MAX_COMPOSE
         with self._lock:
             self._group_left[group] -= 1
         self._fold_if_ready(group)
@@ -213,37 +154,9 @@ class GCSWriter(ObjectWriter):
             log.warning("could not delete %s, a temporary part of %s (cleanup removes it later): %s",
                         self._store.where(key), self._where, err)
 
-    def _wait(self) -> None:
-        """Wait for every task, those that tasks submitted included."""
-        while True:
-            with self._lock:
-                pending = [f for f in self._futures if not f.done()]
-            if not pending:
-                break
-            wait(pending)
-        with self._lock:
-            self._futures.clear()
-
     # -- commit / abort -----------------------------------------------------------------------
-    def commit(self) -> None:
-        try:
-            if self._parts == 0:
-                body = memoryview(self._buffer)[: self._filled] if self._buffer is not None else memoryview(b"")
-                self._store.upload(self._key, body, "writing")
-            else:
-                if self._filled:
-                    buffer, self._buffer, length, self._filled = self._buffer, None, self._filled, 0
-                    assert buffer is not None
-                    self._send(buffer, length)
-                self._wait()
-                self._raise_if_failed()
-                self._compose_final()
-        except BaseException:
-            self.abort()
-            raise
-        self._done = True
-        self._release()
-        self._store.stats.add_written_file(self.position)
+    def _put_whole(self, body: memoryview) -> None:
+        self._store.upload(self._key, body, "writing")
 
     def _sources(self) -> list[str]:
         """The stored pieces of the file, in order: composed groups and loose parts."""
@@ -256,7 +169,7 @@ class GCSWriter(ObjectWriter):
                 sources.extend(self._part(n) for n in range(group * MAX_COMPOSE, last))
         return sources
 
-    def _compose_final(self) -> None:
+    def _complete(self) -> None:
         sources = self._sources()
         last = (self._parts - 1) // MAX_COMPOSE
         loose = self._parts - last * MAX_COMPOSE if last not in self._groups else 0
@@ -293,34 +206,13 @@ class GCSWriter(ObjectWriter):
         for source in batch:
             self._submit(self._delete_quietly, source)
 
-    def _release(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        if self._left_pool:
+    def _discard(self) -> None:
+        if not self._parts:
             return
-        self._left_pool = True
-        if self._buffer is not None:
-            self._buffers.put(self._buffer)
-            self._buffer = None
-        self._buffers.leave()
-
-    def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        with self._lock:
-            self._stopping = True
-            futures = list(self._futures)
-        for future in futures:
-            future.cancel()
-        self._wait()
-        self._release()
-        if self._parts:
-            try:
-                items, _ = self._store.list_objects(self._temporary + ".", delimiter=False)
-                for item in items:
-                    self._store.delete_key(item["name"])
-            except Exception as err:  # noqa: BLE001 - the final name is untouched either way
-                log.warning("could not delete the temporary parts of %s (cleanup removes them later): %s",
-                            self._where, err)
+        try:
+            items, _ = self._store.list_objects(self._temporary + ".", delimiter=False)
+            for item in items:
+                self._store.delete_key(item["name"])
+        except Exception as err:  # noqa: BLE001 - the final name is untouched either way
+            log.warning("could not delete the temporary parts of %s (cleanup removes them later): %s",
+                        self._where, err)

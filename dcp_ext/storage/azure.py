@@ -2,7 +2,7 @@
 
 * A data file is a block blob built from ``block_size`` blocks, staged in
   parallel (Put Block) by up to ``max_concurrency`` threads from the store's
-  pooled buffers (:class:`~dcp_ext.storage._part_buffers.PartBuffers`, as S3 and GCS:
+  pooled buffers (:class:`~dcp_ext.storage._part_upload.PartBuffers`, as S3 and GCS:
   every file a rank writes at once shares at most
   ``block_size * (max_concurrency + 1)`` bytes), then committed in one Put
   Block List. Staged blocks are invisible: the blob appears, whole, when the
@@ -31,12 +31,10 @@ import email.utils
 import logging
 import math
 import secrets
-import threading
 import time
 import urllib.parse
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 from xml.sax.saxutils import escape
 
@@ -66,7 +64,7 @@ from ._azure_client import (
 from ._azure_options import MAX_BLOCKS, AzureOptions
 from ._base import IncompleteUpload, ObjectWriter, Store, request_views, scatter
 from ._parallel import run_each
-from ._part_buffers import PartBuffers
+from ._part_upload import PartBuffers, PartUploadWriter
 from ._ranges import ReadRequest
 from ._retry import retry_sync
 
@@ -104,122 +102,40 @@ def _block_id(token: str, number: int) -> str:
     return base64.b64encode(f"{token}-{number:06d}".encode()).decode()
 
 
-class _AzureWriter(ObjectWriter):
-    """Blocks staged from pooled buffers, a bounded number in flight, then one block list."""
+class _AzureWriter(PartUploadWriter):
+    """Blocks staged from the store's pooled buffers, then one block list (:class:`PartUploadWriter`)."""
 
     def __init__(self, store: AzureStore, name: str, size_hint: int | None) -> None:
-        super().__init__(name)
-        self._store = store
-        self._blob = store.blob(name)
-        self._where = store.describe(name)
         block_size = store.options.block_size
         if size_hint:  # at most 50,000 blocks; keep a margin for an imprecise hint
             block_size = max(block_size, math.ceil(size_hint / (MAX_BLOCKS * 0.9)))
-        self._block_size = block_size
+        super().__init__(name, store._buffers, block_size, store.options.max_concurrency, store.stats,
+                         "dcp_ext-azput")
+        self._store = store
+        self._blob = store.blob(name)
+        self._where = store.describe(name)
         self._token = secrets.token_hex(8)
-        self._buffers = store._buffers
-        self._buffers.join()
-        self._left_pool = False
-        self._buffer: bytearray | None = None
-        self._filled = 0
         self._ids: list[str] = []
-        self._futures: list[Future[None]] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._done = False
 
-    def write(self, data: memoryview | bytes | bytearray) -> None:
-        self._raise_if_failed()
-        view = memoryview(data).cast("B")
-        self.position += view.nbytes
-        while view.nbytes:
-            if self._buffer is None:
-                self._buffer = self._buffers.get(self._block_size)
-                self._filled = 0
-            take = min(view.nbytes, self._block_size - self._filled)
-            self._buffer[self._filled : self._filled + take] = view[:take]
-            self._filled += take
-            view = view[take:]
-            if self._filled == self._block_size:
-                buffer, self._buffer, self._filled = self._buffer, None, 0
-                self._stage(buffer, len(buffer))
-
-    def _raise_if_failed(self) -> None:
-        with self._lock:
-            error = self._error
-        if error is not None:
-            raise error
-
-    def _stage(self, buffer: bytearray, length: int) -> None:
-        """Send ``buffer[:length]`` as the next block (the buffer goes back to the pool once sent)."""
-        try:
-            self._raise_if_failed()
-        except BaseException:
-            self._buffers.put(buffer)  # ours now: the pool must get it back
-            raise
-        if len(self._ids) >= MAX_BLOCKS:
-            self._buffers.put(buffer)
+    def _before_part(self, index: int) -> None:
+        if index >= MAX_BLOCKS:
             raise StorageError(f"{self._where} needs more than {MAX_BLOCKS} blocks; raise AzureOptions.block_size "
                                f"(or IOConfig.part_size), or give open_writer a size_hint", self._where)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._store.options.max_concurrency, thread_name_prefix="dcp_ext-azput")
-        block_id = _block_id(self._token, len(self._ids))
-        self._ids.append(block_id)
-        future = self._pool.submit(self._put_block, block_id, len(self._ids), buffer, length)
-        # A block cancelled before it ran gives its buffer back here.
-        future.add_done_callback(lambda f: self._buffers.put(buffer) if f.cancelled() else None)
-        self._futures.append(future)
+        self._ids.append(_block_id(self._token, index))
 
-    def _put_block(self, block_id: str, number: int, buffer: bytearray, length: int) -> None:
+    def _send_part(self, index: int, buffer: bytearray, length: int) -> None:
         store = self._store
         body = memoryview(buffer)[:length]
-        try:
-            store.request(
-                lambda: store.connection.send("PUT", store.container, self._blob,
-                                              query={"comp": "block", "blockid": block_id}, body=body).release_conn(),
-                self._where, f"staging block {number} of")
-        except BaseException as err:
-            with self._lock:
-                if self._error is None:
-                    self._error = err
-            raise
-        finally:
-            self._buffers.put(buffer)
+        store.request(
+            lambda: store.connection.send("PUT", store.container, self._blob,
+                                          query={"comp": "block", "blockid": self._ids[index]},
+                                          body=body).release_conn(),
+            self._where, f"staging block {index + 1} of")
 
-    def _wait(self) -> None:
-        for future in self._futures:
-            try:
-                future.result()
-            except BaseException:
-                pass  # the first error is kept in self._error
-        self._futures.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+    def _put_whole(self, body: memoryview) -> None:
+        self._store.put_blob(self.name, body, "writing")
 
-    def commit(self) -> None:
-        store = self._store
-        try:
-            if not self._ids:
-                body = memoryview(self._buffer)[: self._filled] if self._buffer is not None else b""
-                store.put_blob(self.name, body, "writing")
-            else:
-                if self._filled:
-                    assert self._buffer is not None
-                    buffer, self._buffer = self._buffer, None
-                    self._stage(buffer, self._filled)
-                self._wait()
-                self._raise_if_failed()
-                self._commit_blocks()
-        except BaseException:
-            self.abort()
-            raise
-        self._done = True
-        self._release_buffers()
-        store.stats.add_written_file(self.position)
-
-    def _commit_blocks(self) -> None:
+    def _complete(self) -> None:
         store = self._store
         xml = "<?xml version='1.0' encoding='utf-8'?><BlockList>" + "".join(
             f"<Latest>{escape(i)}</Latest>" for i in self._ids) + "</BlockList>"
@@ -231,29 +147,14 @@ class _AzureWriter(ObjectWriter):
                                           body=xml.encode()).release_conn(),
             self._where, "committing the blocks of")
 
-    def _release_buffers(self) -> None:
-        if self._left_pool:
+    def _discard(self) -> None:
+        if not self._ids:
             return
-        self._left_pool = True
-        if self._buffer is not None:
-            self._buffers.put(self._buffer)
-            self._buffer = None
-        self._buffers.leave()
-
-    def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        for future in self._futures:
-            future.cancel()
-        self._wait()
-        self._release_buffers()
-        if self._ids:
-            try:
-                self._store.discard_uncommitted(self.name)
-            except Exception as err:  # the blocks stay invisible either way
-                log.warning("could not delete the staged blocks of %s (Azure drops them within a week): %s",
-                            self._where, err)
+        try:
+            self._store.discard_uncommitted(self.name)
+        except Exception as err:  # the blocks stay invisible either way
+            log.warning("could not delete the staged blocks of %s (Azure drops them within a week): %s",
+                        self._where, err)
 
 
 class AzureStore(Store):

@@ -73,7 +73,7 @@ from ._gcs_client import (
 from ._gcs_options import GCSOptions
 from ._gcs_writer import GCSWriter, temporary_pattern
 from ._parallel import run_each
-from ._part_buffers import PartBuffers
+from ._part_upload import PartBuffers
 from ._ranges import ReadRequest
 from ._retry import retry_sync
 

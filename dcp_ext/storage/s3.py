@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..config import IOConfig
@@ -50,7 +48,7 @@ from ..errors import (
 )
 from ._base import IncompleteUpload, ObjectWriter, Store, request_views, scatter
 from ._parallel import run_each
-from ._part_buffers import PartBuffers
+from ._part_upload import PartBuffers, PartUploadWriter
 from ._ranges import ReadRequest
 from ._rate_limit import LimiterStats, PrefixRateLimiters
 from ._retry import retry_sync
@@ -89,136 +87,46 @@ def split_s3_url(url: str) -> tuple[str, str]:
     return bucket, key.strip("/")
 
 
-class _S3Writer(ObjectWriter):
-    """Multipart upload from pooled buffers with a bounded number of parts in flight."""
+class _S3Writer(PartUploadWriter):
+    """A multipart upload from the store's pooled buffers (:class:`PartUploadWriter`)."""
 
     def __init__(self, store: S3Store, name: str, size_hint: int | None) -> None:
-        super().__init__(name)
-        self._store = store
-        self._key = store.key(name)
-        self._where = store.describe(name)
         part_size = store.config.part_size
         if size_hint:
             # S3 allows 10,000 parts; keep a margin for an imprecise hint.
             part_size = max(part_size, math.ceil(size_hint / (_MAX_PARTS * 0.9)))
-        self._part_size = part_size
-        self._slots = store.config.max_concurrency
-        self._buffers = store._part_buffers
-        self._buffers.join()
-        self._left_pool = False
-        self._buffer: bytearray | None = None
-        self._filled = 0
+        super().__init__(name, store._part_buffers, part_size, store.config.max_concurrency, store.stats,
+                         "dcp_ext-upload")
+        self._store = store
+        self._key = store.key(name)
+        self._where = store.describe(name)
         self._upload_id: str | None = None
         self._etags: dict[int, str] = {}
-        self._futures: list[Future[None]] = []  # parts in flight or not yet waited for
-        self._parts = 0
-        self._pool: ThreadPoolExecutor | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._done = False
 
-    # -- buffers ------------------------------------------------------------
-    def _next_buffer(self) -> bytearray:
-        """A free part buffer; blocks while the store's buffers are all in use."""
-        return self._buffers.get(self._part_size)
-
-    def write(self, data: memoryview | bytes | bytearray) -> None:
-        self._raise_if_failed()
-        view = memoryview(data).cast("B")
-        self.position += view.nbytes
-        while view.nbytes:
-            if self._buffer is None:
-                self._buffer = self._next_buffer()
-                self._filled = 0
-            take = min(view.nbytes, self._part_size - self._filled)
-            self._buffer[self._filled : self._filled + take] = view[:take]
-            self._filled += take
-            view = view[take:]
-            if self._filled == self._part_size:
-                buffer, self._buffer, self._filled = self._buffer, None, 0
-                self._send(buffer, pooled=True)
-
-    def _raise_if_failed(self) -> None:
-        with self._lock:
-            error = self._error
-        if error is not None:
-            raise error
-
-    # -- parts --------------------------------------------------------------
-    def _send(self, body: bytearray, pooled: bool) -> None:
-        self._raise_if_failed()
-        store = self._store
+    def _before_part(self, index: int) -> None:
+        if index >= _MAX_PARTS:
+            raise StorageError(f"{self._where} needs more than {_MAX_PARTS} parts; raise IOConfig.part_size",
+                               self._where)
         if self._upload_id is None:
-            response = store.call(
-                "create_multipart_upload", "starting upload of", self._key,
-                **store.connection.write_params,
-            )
+            store = self._store
+            response = store.call("create_multipart_upload", "starting upload of", self._key,
+                                  **store.connection.write_params)
             self._upload_id = response["UploadId"]
-            self._pool = ThreadPoolExecutor(self._slots, thread_name_prefix="dcp_ext-upload")
-        number = self._parts + 1
-        if number > _MAX_PARTS:
-            raise StorageError(
-                f"{self._where} needs more than {_MAX_PARTS} parts; raise IOConfig.part_size",
-                self._where,
-            )
-        assert self._pool is not None
-        future = self._pool.submit(self._upload_part, number, body, pooled)
-        if pooled:  # a part cancelled before it ran gives its buffer back here
-            future.add_done_callback(lambda f: self._buffers.put(body) if f.cancelled() else None)
-        self._futures.append(future)
-        self._parts = number
 
-    def _upload_part(self, number: int, body: bytearray, pooled: bool) -> None:
+    def _send_part(self, index: int, buffer: bytearray, length: int) -> None:
         store = self._store
-        try:
-            response = store.call(
-                "upload_part", f"uploading part {number} of", self._key,
-                UploadId=self._upload_id, PartNumber=number, Body=body,
-                **store.connection.read_params,
-            )
-            with self._lock:
-                self._etags[number] = response["ETag"]
-        except BaseException as err:
-            with self._lock:
-                if self._error is None:
-                    self._error = err
-            raise
-        finally:
-            if pooled:
-                self._buffers.put(body)
+        number = index + 1
+        # botocore takes bytes or bytearray, not a view: the short last part is sent as a copy.
+        body = buffer if length == len(buffer) else bytes(memoryview(buffer)[:length])
+        response = store.call("upload_part", f"uploading part {number} of", self._key,
+                              UploadId=self._upload_id, PartNumber=number, Body=body,
+                              **store.connection.read_params)
+        with self._lock:
+            self._etags[number] = response["ETag"]
 
-    def _wait(self) -> None:
-        for future in self._futures:
-            try:
-                future.result()
-            except BaseException:
-                pass  # the first error is kept in self._error
-        # Done futures keep their callbacks, and those their part buffers.
-        self._futures.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-    def commit(self) -> None:
+    def _put_whole(self, body: memoryview) -> None:
         store = self._store
-        try:
-            if self._upload_id is None:
-                body = bytes(memoryview(self._buffer)[: self._filled]) if self._buffer else b""
-                store.call("put_object", "writing", self._key, Body=body, **store.connection.write_params)
-            else:
-                if self._filled:
-                    # The short last part goes in a buffer of its own size.
-                    last = bytearray(memoryview(self._buffer)[: self._filled])  # type: ignore[arg-type]
-                    self._send(last, pooled=False)
-                self._wait()
-                self._raise_if_failed()
-                self._complete()
-        except BaseException:
-            self.abort()
-            raise
-        self._done = True
-        self._release_buffers()
-        store.stats.add_written_file(self.position)
+        store.call("put_object", "writing", self._key, Body=bytes(body), **store.connection.write_params)
 
     def _complete(self) -> None:
         store = self._store
@@ -237,31 +145,16 @@ class _S3Writer(ObjectWriter):
                 raise
         self._upload_id = None
 
-    def _release_buffers(self) -> None:
-        if self._left_pool:
+    def _discard(self) -> None:
+        if self._upload_id is None:
             return
-        self._left_pool = True
-        if self._buffer is not None:
-            self._buffers.put(self._buffer)
-            self._buffer = None
-        self._buffers.leave()
-
-    def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        for future in self._futures:
-            future.cancel()
-        self._wait()
-        self._release_buffers()
-        if self._upload_id is not None:
-            try:
-                self._store.call(
-                    "abort_multipart_upload", "aborting upload of", self._key,
-                    UploadId=self._upload_id, **self._store.connection.list_params,
-                )
-            except Exception as err:  # the upload stays invisible either way
-                log.warning("could not abort multipart upload of %s: %s", self._where, err)
+        try:
+            self._store.call(
+                "abort_multipart_upload", "aborting upload of", self._key,
+                UploadId=self._upload_id, **self._store.connection.list_params,
+            )
+        except Exception as err:  # the upload stays invisible either way
+            log.warning("could not abort multipart upload of %s: %s", self._where, err)
 
 
 class S3Store(Store):

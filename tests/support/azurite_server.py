@@ -10,7 +10,7 @@ under a file lock, because the suite's two pytest workers may both need it
 at once (14 s with npm's cache warm, about 30 s cold; 186 MB). Set
 ``DCP_EXT_AZURITE_BLOB`` to use another ``azurite-blob`` instead.
 
-:func:`start_azurite` runs the blob service alone on a free port, with its
+:func:`start_azurite` runs the blob service alone on a port the kernel picks, with its
 data on disk under the given directory (Azurite's in-memory mode caps data at
 half the RAM and releases deleted data late), and returns an
 :class:`AzuriteServer`: its endpoint, the well-known development account,
@@ -36,7 +36,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -64,7 +63,6 @@ HOST = "127.0.0.1"
 START_TIMEOUT = 30.0
 INSTALL_TIMEOUT = 600.0
 _API_VERSION = "2021-12-02"
-_START_ATTEMPTS = 3
 
 
 class AzuriteError(RuntimeError):
@@ -119,12 +117,6 @@ def azurite_binary(prefix: Path = NODE_DIR) -> Path:
                                f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
         (prefix / "install-seconds.txt").write_text(f"{time.monotonic() - started:.1f}\n")
         return found
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(eq=False)
@@ -219,7 +211,7 @@ class AzuriteServer:
     def restart(self) -> None:
         """Start again on the same port with the same data."""
         self.stop()
-        process, seconds = _spawn_and_wait(azurite_binary(), self.port, self.data_dir, self.log_path)
+        process, _, seconds = _spawn_and_wait(azurite_binary(), self.port, self.data_dir, self.log_path)
         self.process, self.startup_seconds = process, seconds
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -252,54 +244,52 @@ def sign(method: str, url: str, headers: dict[str, str]) -> str:
     return f"SharedKey {ACCOUNT}:{signature}"
 
 
-def _spawn_and_wait(binary: Path, port: int, data_dir: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], float]:
+#: Azurite's line once it listens (``--blobPort 0``: the port the kernel gave it).
+_LISTENING_RE = re.compile(rf"successfully listens on http://{re.escape(HOST)}:(\d+)")
+
+
+def _spawn_and_wait(binary: Path, port: int, data_dir: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], int,
+                                                                                     float]:
+    """Start Azurite on ``port`` (0: one the kernel picks) and wait for its "listens" line: the
+    port is read from this process's own log, so no other process can be mistaken for it."""
     cmd = [str(binary), "--blobHost", HOST, "--blobPort", str(port), "--location", str(data_dir), "--silent",
            "--skipApiVersionCheck", "--loose", "--disableTelemetry"]
     started = time.monotonic()
     with open(log_path, "ab") as log:
         log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
         log.flush()
+        offset = log.tell()
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    cwd=data_dir, start_new_session=True)
     deadline = started + START_TIMEOUT
     while True:
-        try:
-            socket.create_connection((HOST, port), timeout=0.2).close()
-            return process, time.monotonic() - started
-        except OSError:
-            pass
+        with open(log_path, "rb") as log:
+            log.seek(offset)
+            found = _LISTENING_RE.search(log.read().decode(errors="replace"))
+        if found:
+            return process, int(found.group(1)), time.monotonic() - started
         if process.poll() is not None or time.monotonic() > deadline:
             if process.poll() is None:
                 process.kill()
             process.wait()
             tail = log_path.read_text(errors="replace")[-3000:]
-            raise AzuriteError(f"azurite-blob on port {port} {'exited' if process.returncode else 'did not start'}:"
-                               f"\n{tail}")
+            raise AzuriteError(f"azurite-blob {'exited' if process.returncode else 'did not start'}:\n{tail}")
         time.sleep(0.02)
 
 
 def start_azurite(workdir: str | os.PathLike[str]) -> AzuriteServer:
-    """Start ``azurite-blob`` on a free port with its data under ``workdir/data``.
+    """Start ``azurite-blob`` on a port the kernel picks, with its data under ``workdir/data``.
 
     Raises:
-        AzuriteError: It could not be installed or did not start (within
-            :data:`START_TIMEOUT` s; ports taken meanwhile are retried).
+        AzuriteError: It could not be installed or did not start within :data:`START_TIMEOUT` s.
     """
     binary = azurite_binary()
     root = Path(workdir)
     data = root / "data"
     data.mkdir(parents=True, exist_ok=True)
     log_path = root / "azurite.log"
-    for attempt in range(_START_ATTEMPTS):
-        port = _free_port()
-        try:
-            process, seconds = _spawn_and_wait(binary, port, data, log_path)
-        except AzuriteError as err:
-            if "EADDRINUSE" in str(err) and attempt + 1 < _START_ATTEMPTS:
-                continue  # another process took the port between pick and bind
-            raise
-        return AzuriteServer(port, data, log_path, process, seconds)
-    raise AzuriteError("unreachable")
+    process, port, seconds = _spawn_and_wait(binary, 0, data, log_path)
+    return AzuriteServer(port, data, log_path, process, seconds)
 
 
 @contextlib.contextmanager

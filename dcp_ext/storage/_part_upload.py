@@ -113,7 +113,7 @@ class PartUploadWriter(ObjectWriter):
         self._pool: ThreadPoolExecutor | None = None
         self._futures: list[Future[None]] = []
         self._error: BaseException | None = None
-        self._stopping = False  # aborting: start nothing more
+        self._stopping = False  # aborting: a subclass starts no new work (GCS: no more folds)
         self._lock = threading.Lock()
         self._done = False
 

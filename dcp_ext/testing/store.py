@@ -137,6 +137,21 @@ class StoreTests:
         names = self.side_door_names(store.url)
         assert names is None or not any("b.distcp" in n for n in names), names
 
+    def test_an_aborted_rewrite_leaves_the_committed_file(self, location: Location) -> None:
+        store = self.store(location)
+        store.ensure_root()
+        old = _payload(3 * MiB)
+        with store.open_writer("c.distcp") as writer:
+            writer.write(old)
+            writer.commit()
+        with pytest.raises(RuntimeError, match="boom"):
+            with store.open_writer("c.distcp") as writer:
+                writer.write(_payload(12 * MiB, seed=1))  # object stores: parts of the new upload already sent
+                raise RuntimeError("boom")
+        assert store.read_file("c.distcp") == old
+        uploads = self.side_door_incomplete_uploads(store.url)
+        assert uploads is None or [u for u in uploads if u.endswith("c.distcp")] == []
+
     def test_multipart_stream_round_trip(self, location: Location) -> None:
         store = self.store(location)
         store.ensure_root()

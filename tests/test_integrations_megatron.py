@@ -75,8 +75,11 @@ def test_megatron_dist_checkpointing(make_backend, tmp_path) -> None:
     for rank, out in enumerate(results):
         for check in ("ours_by_megatron", "ours_by_ours", "stock_by_ours", "stock_by_our_load", "zstd_by_default",
                       "async", "s3_zstd", "s3_replaced", "s3_kept", "s3_plain", "gpt_by_megatron", "gpt_s3_zstd",
-                      "gpt_applied", "fp_by_megatron", "fp_by_ours"):
+                      "gpt_applied", "fp_by_megatron", "fp_by_ours", "cache1_by_megatron", "cache2_by_megatron",
+                      "cache_fp16_by_megatron", "cache_fp16_by_ours", "cache_shape_by_megatron"):
             assert out[check] == [], (rank, check, out[check][:10])
+        assert out["cache_fp16_dtypes"] == [("layer.b", "torch.float32"), ("layer.bf", "torch.float16"),
+                                            ("layer.w", "torch.float32")], (rank, out["cache_fp16_dtypes"])
         for check in ("zstd_by_torch_dist_strict", "zstd_tensors_by_torch_dist"):
             assert out[check][0] == "NeedsCheckpointReaderError", (rank, check, out[check])
         # dcp.load (torch 2.13) turns the reader's error into an AssertionError quoting it.
@@ -93,7 +96,15 @@ def test_megatron_dist_checkpointing(make_backend, tmp_path) -> None:
     for name in ("ours", "zstd", "async", "gpt", "fp"):
         assert dcp_files <= set(first["files"][name]), (name, first["files"][name])
     assert "dcp_ext.metadata.json" not in first["files"]["stock"], first["files"]["stock"]
-    assert first["configs"] == {"ours": MEGATRON_CONFIG % "torch_dist", "stock": MEGATRON_CONFIG % "torch_dist",
+    # Plan caching: the coordinator reused the plan of the save before for the same state only (the
+    # cache is the process's: cache1 reuses the plan of the "ours" save, another strategy of the same state).
+    assert [first[f"{name}_reused"] for name in ("cache1", "cache2", "cache_fp16", "cache_shape")] == [
+        True, True, False, False]
+    # dcp_ext's files per kind and rank (the handmade keys, "layer.*", are of the kind "state").
+    assert {"state_rank0.distcp", "state_rank1.distcp"} <= set(first["files"]["cache2"]), first["files"]["cache2"]
+    assert first["configs"] == {**{name: MEGATRON_CONFIG % "torch_dist" for name in (
+                                    "cache1", "cache2", "cache_fp16", "cache_shape")},
+                                "ours": MEGATRON_CONFIG % "torch_dist", "stock": MEGATRON_CONFIG % "torch_dist",
                                 "zstd": MEGATRON_CONFIG % "dcp_ext", "async": MEGATRON_CONFIG % "torch_dist",
                                 "gpt": MEGATRON_CONFIG % "torch_dist", "fp": MEGATRON_CONFIG % "torch_dist"}
     assert dcp_files <= set(first["s3_files"]) and first["s3_config"] == MEGATRON_CONFIG % "dcp_ext"
@@ -144,5 +155,5 @@ def test_documented_examples_run(tmp_path) -> None:
     blocks = {("README.md", "megatron"): tmp_path / "readme", ("docs/guides/integrations.md", "megatron-guide"):
               tmp_path / "guide"}
     assert run_examples(blocks) == {}
-    assert {".metadata", "__0_0.distcp", "common.pt", "dcp_ext.metadata.json", "metadata.json"} <= {
+    assert {".metadata", "state_rank0.distcp", "common.pt", "dcp_ext.metadata.json", "metadata.json"} <= {
         p.name for p in (tmp_path / "readme" / "ckpt" / "iter_1").iterdir()}

@@ -9,9 +9,14 @@ Megatron-Core saves a *sharded state dict* (``ShardedTensor``,
 
 Its ``torch_dist`` strategies convert Megatron's shards to DCP items and write
 them with a torch ``FileSystemWriter`` subclass. The two strategies here keep
-that conversion and Megatron's planners (``MCoreSavePlanner``,
-``MCoreLoadPlanner``: same keys, same global-shape checks, same resharding)
-and store the DCP part with :class:`~dcp_ext.CheckpointWriter` /
+that conversion and Megatron's items (``MCoreSavePlanner``'s local plan; on
+load ``MCoreLoadPlanner``: same keys, same global-shape checks, same
+resharding), plan the save with dcp_ext's planner
+(:class:`MegatronLayoutPlanner`: data files per kind and rank where
+Megatron writes ``__0_0.distcp``, ``optimizer_rank0.distcp`` for the keys
+under ``optimizer.`` and ``state_rank0.distcp`` for the others, and plan
+caching), and store the DCP part with
+:class:`~dcp_ext.CheckpointWriter` /
 :class:`~dcp_ext.CheckpointReader`: ``compression``, ``io_options``
 (:class:`~dcp_ext.IOConfig` fields), ``storage_options``, checksums on every
 read, the save lock, and the commit of dcp_ext's metadata after every rank's
@@ -142,6 +147,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from dcp_ext.dcp_io import CheckpointReader, CheckpointWriter, run_load, run_save
 from dcp_ext.errors import CheckpointCorruptError, InvalidOptionError, NotACheckpointError
 from dcp_ext.format import parse_stored_json, resolve_codec
+from dcp_ext.planners import LayoutSavePlanner
 from dcp_ext.storage import Location, Store
 
 from ._io_options import io_config
@@ -150,6 +156,7 @@ from ._paths import location
 __all__ = [
     "DcpExtSaveShardedStrategy",
     "DcpExtLoadShardedStrategy",
+    "MegatronLayoutPlanner",
     "save",
     "load",
     "load_common_state_dict",
@@ -187,6 +194,15 @@ class DcpExtSaveShardedStrategy(TorchDistSaveShardedStrategy):  # type: ignore[m
         io_options: :class:`~dcp_ext.IOConfig` fields (``{"max_concurrency": 16}``).
         keep_only_main_replica: Megatron's setting: only each shard's main
             replica (``replica_id`` 0) is saved.
+        enable_plan_caching: dcp_ext's plan caching (:class:`MegatronLayoutPlanner`):
+            a save whose plans are bit for bit the last successful one's (the
+            same keys, dtypes, shapes and shards on every rank) reuses its
+            global plan. On by default; a save whose state changed plans afresh.
+
+    Attributes:
+        last_planner: The planner of this rank's last save (on the
+            coordinator, its ``reused_global_plan`` says whether the cached
+            plan served).
 
     Raises:
         InvalidOptionError: ``storage_options`` or ``io_options`` are not
@@ -196,7 +212,7 @@ class DcpExtSaveShardedStrategy(TorchDistSaveShardedStrategy):  # type: ignore[m
 
     def __init__(self, *, storage_options: dict[str, Any] | None = None, compression: Any = None,
                  overwrite: bool = True, io_options: dict[str, Any] | None = None,
-                 keep_only_main_replica: bool = True) -> None:
+                 keep_only_main_replica: bool = True, enable_plan_caching: bool = True) -> None:
         codec = resolve_codec(compression)
         backend, version = TORCH_DIST_BACKEND if codec is None else DCP_EXT_BACKEND
         super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica)
@@ -204,6 +220,8 @@ class DcpExtSaveShardedStrategy(TorchDistSaveShardedStrategy):  # type: ignore[m
         self.compression = compression
         self.overwrite = overwrite
         self.io_config = io_config(io_options, "io_options")
+        self.enable_plan_caching = enable_plan_caching
+        self.last_planner: MegatronLayoutPlanner | None = None
         self._warned_sync = False
 
     def save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> None:
@@ -237,13 +255,35 @@ class DcpExtSaveShardedStrategy(TorchDistSaveShardedStrategy):  # type: ignore[m
             before_commit=files.before_commit if files is not None else None,
             after_commit=files.after_commit if files is not None else None,
         )
-        # Megatron's planner: every rank writes its own ShardedObjects (BytesIO),
-        # items keep Megatron's keys. Its decentralized planning is Megatron's
-        # own save path's; DCP's planning runs here.
-        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                   flatten_state_dict=False, can_run_decentralized_global_plan=False)
+        planner = self.last_planner = MegatronLayoutPlanner(enable_plan_caching=self.enable_plan_caching)
         metadata: Metadata = run_save(state, writer, planner, None)
         return metadata
+
+
+class _MegatronItems(MCoreSavePlanner):  # type: ignore[misc]
+    """Megatron's local plan: every rank writes its own ``ShardedObject`` s
+    (``BytesIO``, serialized already), items keep Megatron's keys. Megatron's
+    decentralized planning is its own save path's; DCP's planning runs here."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(flatten_state_dict=False, can_run_decentralized_global_plan=False, **kwargs)
+
+
+class MegatronLayoutPlanner(LayoutSavePlanner, _MegatronItems):
+    """(every rank) Megatron's items (``MCoreSavePlanner``'s local plan) planned
+    by :class:`~dcp_ext.planners.LayoutSavePlanner`: per-kind data files
+    (``state_rank0.distcp``, ``optimizer_rank0.distcp``), compact plans and
+    write results, and, with ``enable_plan_caching``, dcp_ext's plan cache
+    (a save whose every rank's plan matches, keys, dtypes, shapes and chunks,
+    the last successful one's reuses its global plan and metadata).
+
+    A replicated tensor's copies (``keep_only_main_replica=False``) are saved
+    once, by the lowest rank holding one, as ``MCoreSavePlanner`` with
+    ``dedup_replicated_tensors`` does.
+    """
+
+    def __init__(self, enable_plan_caching: bool = True) -> None:
+        super().__init__(enable_plan_caching=enable_plan_caching, plan_cache_name="megatron")
 
 
 class DcpExtLoadShardedStrategy(TorchDistLoadShardedStrategy):  # type: ignore[misc]

@@ -67,15 +67,16 @@ def stock_save_on_cpu() -> Iterator[None]:
         stop_writer_results_manager()
 
 
-def handmade_state(rank: int, world: int, seed: int) -> dict[str, Any]:
+def handmade_state(rank: int, world: int, seed: int, column_dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """A sharded state dict built with Megatron's helpers; the same global
     values for a ``seed`` whatever ``world`` is (``world=1``: whole tensors,
-    and both of a 2-rank save's ``ShardedObject`` shards as a list)."""
+    and both of a 2-rank save's ``ShardedObject`` shards as a list).
+    ``column_dtype``: the column-sharded tensor's (the others are float32)."""
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(8, 6, generator=g)
-    columns = torch.randn(5, 4, generator=g).to(torch.bfloat16)
+    columns = torch.randn(5, 4, generator=g).to(column_dtype)
     bias = torch.randn(3, generator=g)
     if world == 1:
         objects: Any = [ShardedObject("rng", {"seed": seed + r, "t": torch.arange(3) + r}, (2,), (r,), replica_id=0)
@@ -170,6 +171,7 @@ def megatron_suite(rank: int, world: int, local_root: str, s3_root: str,
                    storage_options: dict[str, Any]) -> dict[str, Any]:
     """Every 2-rank check (see the test's docstring); differences as lists of paths."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
@@ -188,7 +190,8 @@ def megatron_suite(rank: int, world: int, local_root: str, s3_root: str,
         return state_diff(expected, got)
 
     out: dict[str, Any] = {}
-    paths = {name: os.path.join(local_root, name) for name in ("ours", "stock", "zstd", "async", "gpt", "fp")}
+    paths = {name: os.path.join(local_root, name)
+             for name in ("ours", "stock", "zstd", "async", "gpt", "fp", "cache1", "cache2", "cache_fp16", "cache_shape")}
     if rank == 0:
         for path in paths.values():  # Megatron's save lists the directory first (rank 0): it must exist
             os.makedirs(path)
@@ -197,6 +200,33 @@ def megatron_suite(rank: int, world: int, local_root: str, s3_root: str,
     dist_checkpointing.save(handmade_state(rank, world, 1), paths["ours"], sharded_strategy=ours())
     out["ours_by_megatron"] = diff(dist_checkpointing.load(template(), paths["ours"]))
     out["ours_by_ours"] = diff(dist_checkpointing.load(template(), paths["ours"], sharded_strategy=ours_load()))
+    # Plan caching (on by default): one strategy saves the same state twice, the second save reuses the
+    # first's global plan (on the coordinator); the same keys and shapes with the bf16 tensor in float16
+    # (the same bytes per element, sizes and chunks: only the dtype differs, what issue 40's caching reused
+    # wrongly) and then other shapes plan afresh and load bit-exact, by Megatron's loader and by ours.
+    cached = ours()
+    for name in ("cache1", "cache2"):
+        dist_checkpointing.save(handmade_state(rank, world, 1), paths[name], sharded_strategy=cached)
+        out[f"{name}_reused"] = cached.last_planner.reused_global_plan
+        out[f"{name}_by_megatron"] = diff(dist_checkpointing.load(template(), paths[name]))
+    half = torch.float16
+    dist_checkpointing.save(handmade_state(rank, world, 4, half), paths["cache_fp16"], sharded_strategy=cached)
+    out["cache_fp16_reused"] = cached.last_planner.reused_global_plan
+    half_saved = plain(handmade_state(rank, world, 4, half))
+    out["cache_fp16_by_megatron"] = state_diff(
+        half_saved, dist_checkpointing.load(handmade_state(rank, world, 2, half), paths["cache_fp16"]))
+    out["cache_fp16_by_ours"] = state_diff(half_saved, dist_checkpointing.load(
+        handmade_state(rank, world, 2, half), paths["cache_fp16"], sharded_strategy=ours_load()))
+    out["cache_fp16_dtypes"] = sorted(
+        (key, str(sh.dtype)) for key, sh in dist_checkpointing.load_tensors_metadata(paths["cache_fp16"]).items())
+    narrow = handmade_state(rank, world, 5)
+    narrow["w"] = ShardedTensor.from_rank_offsets("layer.w", torch.randn(3, 6), (0, rank, world))
+    dist_checkpointing.save(narrow, paths["cache_shape"], sharded_strategy=cached)
+    out["cache_shape_reused"] = cached.last_planner.reused_global_plan
+    narrow_template = handmade_state(rank, world, 2)
+    narrow_template["w"] = ShardedTensor.from_rank_offsets("layer.w", torch.zeros(3, 6), (0, rank, world))
+    out["cache_shape_by_megatron"] = state_diff(plain(narrow), dist_checkpointing.load(narrow_template,
+                                                                                       paths["cache_shape"]))
     # Megatron's FullyParallelSaveStrategyWrapper around ours: the ranks share out the replicated
     # tensor's save (main replicas distributed by size); read by Megatron's default loader and by ours.
     # (Its load wrapper is not exercised: megatron-core 0.16.1's exchange_utils allocates the exchanged

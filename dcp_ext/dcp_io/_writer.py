@@ -308,7 +308,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         and the old checkpoint is un-committed only in :meth:`finish`.
         """
         store = self.store
-        self._refuse_existing(store)  # the clearer error, before the lock's
+        if not self.overwrite:
+            # The clearer error, before the lock's (an overwrite looks only under the lock).
+            self._refuse_existing(store)
         self._lock = SaveLock(store, self.save_id, self.config)
         self._lock.acquire()
         try:

@@ -140,3 +140,29 @@ def test_seaweedfs_start_stop_start_keeps_data(tmp_path: Path) -> None:
     assert not second.running
     leftovers = [p for p in second._cleanup_files if p.exists()]
     assert leftovers == []
+
+
+def test_seaweedfs_whose_s3_port_another_server_took_starts_on_new_ports(tmp_path: Path, monkeypatch) -> None:
+    """The fixture picks SeaweedFS's ports free and releases them before ``weed``
+    binds them; here moto holds the one picked for S3 on the first attempt. The
+    start must not take moto's answers for SeaweedFS's: it picks new ports.
+    (``weed mini`` refuses the taken port itself; without the fixture's
+    "Port allocation failed" marker this test fails.)"""
+    from tests.support import s3_servers
+
+    picked = s3_servers._free_ports
+    calls = []
+
+    def moto_port_for_s3(count: int, exclude: object = ()) -> list[int]:
+        ports = picked(count, exclude)
+        calls.append(ports)
+        if len(calls) == 1:
+            ports[6] = int(moto.endpoint_url.rsplit(":", 1)[1])  # (master, ..., s3, s3 grpc)
+        return ports
+
+    with start_moto(tmp_path / "moto") as moto:
+        monkeypatch.setattr(s3_servers, "_free_ports", moto_port_for_s3)
+        with start_seaweedfs(tmp_path / "weed") as weed:
+            assert weed.endpoint_url != moto.endpoint_url and len(calls) == 2, (weed.endpoint_url, calls)
+            answer = weed.boto3_client().put_object(Bucket=weed.create_bucket("mine"), Key="k", Body=b"x")
+            assert answer["ResponseMetadata"]["HTTPHeaders"]["server"].startswith("SeaweedFS")

@@ -450,7 +450,14 @@ def _start_seaweedfs_once(
 def _wait_seaweedfs_ready(
     process: subprocess.Popen[bytes], endpoint: str, log_path: Path, deadline: float
 ) -> None:
-    """Poll until a bucket create + put + get + cleanup round trip succeeds."""
+    """Poll until a bucket create + put + get + cleanup round trip succeeds,
+    answered by SeaweedFS. The ports were picked free and then released, so
+    another test's S3 server (moto takes a port from the kernel) may bind the
+    S3 port first: ``weed mini`` checks its ports when it starts and exits
+    ("Port allocation failed", a :class:`_PortRace`, tested); a server that
+    binds it between that check and weed's own bind would answer the probe,
+    so its answer must carry SeaweedFS's ``Server`` header (also a
+    :class:`_PortRace`; that window was not reproduced)."""
     import botocore.exceptions
 
     client = _make_boto3_client(
@@ -473,13 +480,19 @@ def _wait_seaweedfs_ready(
         try:
             with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
                 client.create_bucket(Bucket=bucket)
-            client.put_object(Bucket=bucket, Key="probe", Body=payload)
+            answer = client.put_object(Bucket=bucket, Key="probe", Body=payload)
+            server = answer["ResponseMetadata"]["HTTPHeaders"].get("server", "")
+            if not server.startswith("SeaweedFS"):
+                raise _PortRace(f"{endpoint} is answered by {server or 'a server without a Server header'}, "
+                                f"not SeaweedFS: another process bound the S3 port picked for it")
             got = client.get_object(Bucket=bucket, Key="probe")["Body"].read()
             if got != payload:
                 raise S3ServerError(f"probe read back {got!r}")
             client.delete_object(Bucket=bucket, Key="probe")
             client.delete_bucket(Bucket=bucket)
             return
+        except _PortRace:
+            raise
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, S3ServerError) as exc:
             last_exc = exc
             time.sleep(0.2)

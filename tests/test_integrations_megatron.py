@@ -31,6 +31,12 @@ rank unless it says otherwise:
 * Megatron's ``FullyParallelSaveStrategyWrapper`` around dcp_ext's save
   strategy (the replicated tensor's save shared out among the ranks): read
   by Megatron's default loader and by ours (its load wrapper needs CUDA);
+* plan caching (on by default): a second save of the same state reuses the
+  coordinator's global plan; the bf16 tensor saved as float16 (the same
+  bytes, sizes and chunks, only the dtype differs) and a shape change plan
+  afresh, and load bit-exact with the dtype recorded as saved;
+* ``keep_only_main_replica=False``: the replicated tensor, in every rank's
+  plan, is saved once (one chunk recorded) and loads bit-exact;
 * a tiny ``GPTModel`` tensor parallel over both ranks: our strategy through
   Megatron's ``save``, Megatron's default ``load`` into a model initialised
   otherwise; zstd on SeaweedFS through dcp_ext, applied to the model.
@@ -76,8 +82,10 @@ def test_megatron_dist_checkpointing(make_backend, tmp_path) -> None:
         for check in ("ours_by_megatron", "ours_by_ours", "stock_by_ours", "stock_by_our_load", "zstd_by_default",
                       "async", "s3_zstd", "s3_replaced", "s3_kept", "s3_plain", "gpt_by_megatron", "gpt_s3_zstd",
                       "gpt_applied", "fp_by_megatron", "fp_by_ours", "cache1_by_megatron", "cache2_by_megatron",
-                      "cache_fp16_by_megatron", "cache_fp16_by_ours", "cache_shape_by_megatron"):
+                      "cache_fp16_by_megatron", "cache_fp16_by_ours", "cache_shape_by_megatron",
+                      "replicas_by_megatron"):
             assert out[check] == [], (rank, check, out[check][:10])
+        assert out["replicas_chunks"] == {"layer.w": 2, "layer.bf": 2, "layer.b": 1}, (rank, out["replicas_chunks"])
         assert out["cache_fp16_dtypes"] == [("layer.b", "torch.float32"), ("layer.bf", "torch.float16"),
                                             ("layer.w", "torch.float32")], (rank, out["cache_fp16_dtypes"])
         for check in ("zstd_by_torch_dist_strict", "zstd_tensors_by_torch_dist"):
@@ -103,7 +111,7 @@ def test_megatron_dist_checkpointing(make_backend, tmp_path) -> None:
     # dcp_ext's files per kind and rank (the handmade keys, "layer.*", are of the kind "state").
     assert {"state_rank0.distcp", "state_rank1.distcp"} <= set(first["files"]["cache2"]), first["files"]["cache2"]
     assert first["configs"] == {**{name: MEGATRON_CONFIG % "torch_dist" for name in (
-                                    "cache1", "cache2", "cache_fp16", "cache_shape")},
+                                    "cache1", "cache2", "cache_fp16", "cache_shape", "replicas")},
                                 "ours": MEGATRON_CONFIG % "torch_dist", "stock": MEGATRON_CONFIG % "torch_dist",
                                 "zstd": MEGATRON_CONFIG % "dcp_ext", "async": MEGATRON_CONFIG % "torch_dist",
                                 "gpt": MEGATRON_CONFIG % "torch_dist", "fp": MEGATRON_CONFIG % "torch_dist"}

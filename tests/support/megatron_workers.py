@@ -191,7 +191,8 @@ def megatron_suite(rank: int, world: int, local_root: str, s3_root: str,
 
     out: dict[str, Any] = {}
     paths = {name: os.path.join(local_root, name)
-             for name in ("ours", "stock", "zstd", "async", "gpt", "fp", "cache1", "cache2", "cache_fp16", "cache_shape")}
+             for name in ("ours", "stock", "zstd", "async", "gpt", "fp", "cache1", "cache2", "cache_fp16", "cache_shape",
+                          "replicas")}
     if rank == 0:
         for path in paths.values():  # Megatron's save lists the directory first (rank 0): it must exist
             os.makedirs(path)
@@ -227,6 +228,13 @@ def megatron_suite(rank: int, world: int, local_root: str, s3_root: str,
     narrow_template["w"] = ShardedTensor.from_rank_offsets("layer.w", torch.zeros(3, 6), (0, rank, world))
     out["cache_shape_by_megatron"] = state_diff(plain(narrow), dist_checkpointing.load(narrow_template,
                                                                                        paths["cache_shape"]))
+    # keep_only_main_replica=False: every rank's copy of the replicated tensor is in the plans, and
+    # dcp_ext's planner saves it once (one chunk recorded); read back by Megatron's loader.
+    dist_checkpointing.save(handmade_state(rank, world, 1), paths["replicas"],
+                            sharded_strategy=ours(keep_only_main_replica=False))
+    out["replicas_by_megatron"] = diff(dist_checkpointing.load(template(), paths["replicas"]))
+    stored = ours_load()._reader(paths["replicas"]).read_metadata().state_dict_metadata
+    out["replicas_chunks"] = {key: len(stored[key].chunks) for key in ("layer.w", "layer.bf", "layer.b")}
     # Megatron's FullyParallelSaveStrategyWrapper around ours: the ranks share out the replicated
     # tensor's save (main replicas distributed by size); read by Megatron's default loader and by ours.
     # (Its load wrapper is not exercised: megatron-core 0.16.1's exchange_utils allocates the exchanged

@@ -492,6 +492,7 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
 
     from bench.harness.state import DTYPE, NON_TENSOR, make_spec
     from bench.harness.systems import Ctx, DcpExt, TorchFileSystem, TorchFsspec
+    from dcp_ext import IOConfig
     from dcp_ext.integrations._planning import save_planner
     from tests.support.torchtitan_workers import TrainState
 
@@ -604,7 +605,8 @@ def frameworks_world(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
                     # The same, planned as dcp_ext's adapters plan (their plan cache warm from their saves).
                     _settle(rank, False)
                     start = time.perf_counter()
-                    dcp.save(state, storage_writer=_null_writer(), planner=save_planner(ADAPTER_PLANS[framework]))
+                    dcp.save(state, storage_writer=_null_writer(),
+                             planner=save_planner(ADAPTER_PLANS[framework], IOConfig()))
                     record["null_adapter"].setdefault(framework, []).append(_slowest(time.perf_counter() - start))
                 del state
         for system in found:

@@ -27,6 +27,8 @@ def test_accelerate_fsdp2_sharded_checkpoints(make_backend, tmp_path) -> None:
         for case in ("ours_local", "ours_s3_zstd", "theirs_to_ours", "ours_to_theirs"):
             assert out[case] == [] and out[case + "_next"] == [], (rank, case, out[case], out[case + "_next"])
         assert out["load_whole"] == [], (rank, out["load_whole"])
+        # Saved with io_options={"key_prefixes": 4}: each rank's optimizer file under a key prefix.
+        assert out["s3_data_files"] == ["0/optimizer_rank0.distcp", "1/optimizer_rank1.distcp"], out["s3_data_files"]
         local, local_optim, s3, s3_optim = out["paths"]
         assert local.endswith("/ours/pytorch_model_fsdp_0") and local_optim.endswith("/ours/optimizer_0")
         assert s3.startswith("s3://") and s3.endswith("/zstd/pytorch_model_fsdp_0"), s3

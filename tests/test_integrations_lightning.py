@@ -40,6 +40,9 @@ def test_lightning_trainers(make_backend, tmp_path) -> None:
     assert first["fsdp_listing"] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt",
                                      "last.ckpt"], first["fsdp_listing"]
     assert {"meta.pt", "dcp_ext.metadata.json"} <= set(first["s3_files"]), first["s3_files"]
+    # Saved with io_options={"key_prefixes": 4}: every data file under a key prefix.
+    data_files = first["s3_data_files"]
+    assert data_files and all(len(n.split("/")) == 2 and n.split("/")[0].isdigit() for n in data_files), data_files
 
 
 def test_strategy_io_options_become_the_config_of_every_save_and_load() -> None:

@@ -108,6 +108,9 @@ def test_megatron_dist_checkpointing(make_backend, tmp_path) -> None:
     # cache is the process's: cache1 reuses the plan of the "ours" save, another strategy of the same state).
     assert [first[f"{name}_reused"] for name in ("cache1", "cache2", "cache_fp16", "cache_shape")] == [
         True, True, False, False]
+    # io_options={"key_prefixes": 4}: the data files under prefixes 0 and 1, none beside the metadata.
+    assert {"0", "1"} <= set(first["files"]["replicas"]), first["files"]["replicas"]
+    assert not [name for name in first["files"]["replicas"] if name.endswith(".distcp")], first["files"]["replicas"]
     # dcp_ext's files per kind and rank (the handmade keys, "layer.*", are of the kind "state").
     assert {"state_rank0.distcp", "state_rank1.distcp"} <= set(first["files"]["cache2"]), first["files"]["cache2"]
     assert first["configs"] == {**{name: MEGATRON_CONFIG % "torch_dist" for name in (

@@ -34,6 +34,10 @@ def test_torchtitan_checkpoint_manager(make_backend, tmp_path) -> None:
             assert got["loaded"] is True and got["step"] == 7, (rank, case, got)  # resumed at 6, one more step
             assert not got["resumed_diff"], (rank, case, got["resumed_diff"][:10])
             assert not got["next_diff"], (rank, case, got["next_diff"][:10])
+    # Saved with io_options={"key_prefixes": 4}: every data file of the kept steps under a key prefix.
+    data_files = results[0]["s3_data_files"]
+    assert {name.split("/")[0] for name in data_files} == {"step-4", "step-6"}, data_files
+    assert all(len(name.split("/")) == 3 and name.split("/")[1].isdigit() for name in data_files), data_files
     listings = results[0]["listings"]
     # keep_latest_k=2 deleted step-2 through dcp_ext (on S3 too).
     assert listings["zstd"] == ["step-4", "step-6"] and listings["s3"] == ["step-4", "step-6"], listings

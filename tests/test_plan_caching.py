@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcp_ext
-from dcp_ext import CheckpointReader, CheckpointWriter, LayoutSavePlanner
+from dcp_ext import CheckpointReader, CheckpointWriter, IOConfig, LayoutSavePlanner
 from dcp_ext.errors import CheckpointExistsError, DcpExtError, PlanCacheError, PlanMismatchError
 from dcp_ext.integrations._planning import save_planner
 from dcp_ext.metadata import METADATA_FILE
@@ -80,12 +80,12 @@ def test_a_dtype_change_under_a_cached_plan_saves_the_new_dtype(
     tmp_path: Path, first: torch.dtype, second: torch.dtype, compression: str | None
 ) -> None:
     """Same keys and shapes, a new dtype, one process: as the adapters call it
-    (``dcp_ext.save(..., planner=save_planner(name))``) and as stock DCP with
+    (``dcp_ext.save(..., planner=save_planner(name, config))``) and as stock DCP with
     ``LayoutSavePlanner(enable_plan_caching=True)`` does; then back again."""
     for k, dtype in enumerate((first, second, first)):
         state = _state(dtype)
         path = tmp_path / f"adapter{k}"
-        dcp_ext.save(state, str(path), planner=save_planner("test"), compression=compression)
+        dcp_ext.save(state, str(path), planner=save_planner("test", IOConfig()), compression=compression)
         _loads_exactly(path, state)
         path = tmp_path / f"stock{k}"
         dcp.save(state, storage_writer=CheckpointWriter(str(path), compression=compression),

@@ -189,7 +189,8 @@ class ModelParallelMixin:
         meta = buffer.getvalue()
         dcp_ext.save(state, path, storage_options=_options(self.storage_options, storage_options),
                      overwrite=self.overwrite, compression=self.compression,
-                     before_commit=_MetaWriter(meta), planner=save_planner("lightning"), config=self.io_config)
+                     before_commit=_MetaWriter(meta), planner=save_planner("lightning", self.io_config),
+                     config=self.io_config)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str],
                         weights_only: bool | None = None) -> dict[str, Any]:

@@ -166,8 +166,9 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: 
 
     path = _dir(root, MODEL_DIR, model_index)
     state = {"model": get_model_state_dict(model, options=_sd_options(fsdp_plugin))}
+    config = io_config(io_options, "io_options")
     dcp_ext.save(state, path, storage_options=storage_options, compression=compression, overwrite=overwrite,
-                 planner=save_planner("accelerate.model"), config=io_config(io_options, "io_options"))
+                 planner=save_planner("accelerate.model", config), config=config)
     return path
 
 
@@ -219,8 +220,9 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
 
     path = _dir(root, OPTIMIZER_DIR, optimizer_index)
     state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=_sd_options(fsdp_plugin))}
+    config = io_config(io_options, "io_options")
     dcp_ext.save(state, path, storage_options=storage_options, compression=compression, overwrite=overwrite,
-                 planner=save_planner("accelerate.optimizer"), config=io_config(io_options, "io_options"))
+                 planner=save_planner("accelerate.optimizer", config), config=config)
     return path
 
 

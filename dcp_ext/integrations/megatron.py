@@ -144,6 +144,7 @@ from megatron.core.dist_checkpointing.validation import (  # type: ignore[import
 )
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from dcp_ext.config import IOConfig
 from dcp_ext.dcp_io import CheckpointReader, CheckpointWriter, run_load, run_save
 from dcp_ext.errors import CheckpointCorruptError, InvalidOptionError, NotACheckpointError
 from dcp_ext.format import parse_stored_json, resolve_codec
@@ -255,7 +256,9 @@ class DcpExtSaveShardedStrategy(TorchDistSaveShardedStrategy):  # type: ignore[m
             before_commit=files.before_commit if files is not None else None,
             after_commit=files.after_commit if files is not None else None,
         )
-        planner = self.last_planner = MegatronLayoutPlanner(enable_plan_caching=self.enable_plan_caching)
+        config = self.io_config if self.io_config is not None else IOConfig.from_env()  # the writer's, likewise
+        planner = self.last_planner = MegatronLayoutPlanner(enable_plan_caching=self.enable_plan_caching,
+                                                            key_prefixes=config.key_prefixes)
         metadata: Metadata = run_save(state, writer, planner, None)
         return metadata
 
@@ -279,11 +282,13 @@ class MegatronLayoutPlanner(LayoutSavePlanner, _MegatronItems):
 
     A replicated tensor's copies (``keep_only_main_replica=False``) are saved
     once, by the lowest rank holding one, as ``MCoreSavePlanner`` with
-    ``dedup_replicated_tensors`` does.
+    ``dedup_replicated_tensors`` does. ``key_prefixes``: the strategy's
+    ``io_options`` (:attr:`~dcp_ext.IOConfig.key_prefixes`).
     """
 
-    def __init__(self, enable_plan_caching: bool = True) -> None:
-        super().__init__(enable_plan_caching=enable_plan_caching, plan_cache_name="megatron")
+    def __init__(self, enable_plan_caching: bool = True, key_prefixes: int = 0) -> None:
+        super().__init__(key_prefixes=key_prefixes, enable_plan_caching=enable_plan_caching,
+                         plan_cache_name="megatron")
 
 
 class DcpExtLoadShardedStrategy(TorchDistLoadShardedStrategy):  # type: ignore[misc]

@@ -246,7 +246,7 @@ class DcpExtCheckpointManager(CheckpointManager):  # type: ignore[misc]
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         ret: Any = None
-        writer, planner = self._writer(checkpoint_id), save_planner("torchtitan")
+        writer, planner = self._writer(checkpoint_id), save_planner("torchtitan", self.io_config)
         if async_mode == AsyncMode.ASYNC:
             # The writer stages (a blocking copy) and a thread uploads.
             ret = async_save(state_dict, storage_writer=writer, planner=planner, process_group=self.pg)

@@ -93,8 +93,13 @@ def accelerate_suite(rank: int, world_size: int, local_root: str, s3_root: str,
                              compression="zstd"),
         ours.save_fsdp_optimizer(plugin, accelerator, trained.optimizer, trained.model, s3,
                                  storage_options=storage_options, compression="zstd",
-                                 io_options={"max_concurrency": 2, "part_size": "5MiB"}),
+                                 io_options={"max_concurrency": 2, "part_size": "5MiB", "key_prefixes": 4}),
     ]
+    # io_options' key_prefixes reach the planner, which names the data files (under 4 key prefixes).
+    from dcp_ext.storage import Location
+
+    out["s3_data_files"] = sorted(name for name in Location.of(out["paths"][3], storage_options).open().list_tree()
+                                  if name.endswith(".distcp"))
     # The template-free load of a checkpoint 2 FSDP2 ranks wrote, in one process
     # (each rank on its own): the full model and optimizer, parameter-name keys.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict

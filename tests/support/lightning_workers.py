@@ -145,7 +145,7 @@ def lightning_suite(rank: int, world_size: int, local_root: str, s3_root: str,
     # FSDP2 on S3 (SeaweedFS), compressed: save after 1 epoch, resume, 1 more epoch.
     url = f"{s3_root}/fsdp/epoch0.ckpt"
     strategy = ours(storage_options=storage_options, compression="zstd",
-                    io_options={"max_concurrency": 2, "part_size": "5MiB"})
+                    io_options={"max_concurrency": 2, "part_size": "5MiB", "key_prefixes": 4})
     Net, Recorder = _classes(L)
     os.environ["WORLD_SIZE"] = "2"
     recorder = Recorder()
@@ -201,4 +201,6 @@ def lightning_suite(rank: int, world_size: int, local_root: str, s3_root: str,
         out["ddp_listing"] = sorted(os.listdir(ddp_ckpts))
         out["fsdp_listing"] = sorted(os.listdir(ckpts))
         out["s3_files"] = sorted(Location.of(url, storage_options).open().list_names())
+        out["s3_data_files"] = sorted(name for name in Location.of(url, storage_options).open().list_tree()
+                                      if name.endswith(".distcp"))
     return out

@@ -230,8 +230,9 @@ def megatron_suite(rank: int, world: int, local_root: str, s3_root: str,
                                                                                        paths["cache_shape"]))
     # keep_only_main_replica=False: every rank's copy of the replicated tensor is in the plans, and
     # dcp_ext's planner saves it once (one chunk recorded); read back by Megatron's loader.
+    # (Saved with io_options={"key_prefixes": 4}: its data files go under key prefixes.)
     dist_checkpointing.save(handmade_state(rank, world, 1), paths["replicas"],
-                            sharded_strategy=ours(keep_only_main_replica=False))
+                            sharded_strategy=ours(keep_only_main_replica=False, io_options={"key_prefixes": 4}))
     out["replicas_by_megatron"] = diff(dist_checkpointing.load(template(), paths["replicas"]))
     stored = ours_load()._reader(paths["replicas"]).read_metadata().state_dict_metadata
     out["replicas_chunks"] = {key: len(stored[key].chunks) for key in ("layer.w", "layer.bf", "layer.b")}

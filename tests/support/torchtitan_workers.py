@@ -149,7 +149,10 @@ def torchtitan_suite(rank: int, world_size: int, local_root: str, s3_root: str,
     out["local_sync_zstd"] = _case(ours, ours, os.path.join(local_root, "zstd"), compression="zstd")
     out["s3_async_zstd"] = _case(ours, ours, f"{s3_root}/async", async_mode="async", compression="zstd",
                                  storage_options=storage_options,
-                                 io_options={"max_concurrency": 2, "part_size": "5MiB"})
+                                 io_options={"max_concurrency": 2, "part_size": "5MiB", "key_prefixes": 4})
+    # io_options' key_prefixes reach the planner, which names the data files (under 4 key prefixes).
+    steps = Location.of(f"{s3_root}/async", storage_options).open()
+    out["s3_data_files"] = sorted(name for name in steps.list_tree() if name.endswith(".distcp"))
     # Cross-reading: stock torchtitan (FileSystemWriter/Reader) and ours (uncompressed), both ways.
     out["stock_to_ours"] = _case(CheckpointManager, ours, os.path.join(local_root, "stock"))
     out["ours_to_stock"] = _case(ours, CheckpointManager, os.path.join(local_root, "ours"), async_mode="async")

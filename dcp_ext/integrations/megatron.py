@@ -144,7 +144,6 @@ from megatron.core.dist_checkpointing.validation import (  # type: ignore[import
 )
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from dcp_ext.config import IOConfig
 from dcp_ext.dcp_io import CheckpointReader, CheckpointWriter, run_load, run_save
 from dcp_ext.errors import CheckpointCorruptError, InvalidOptionError, NotACheckpointError
 from dcp_ext.format import parse_stored_json, resolve_codec
@@ -256,9 +255,9 @@ class DcpExtSaveShardedStrategy(TorchDistSaveShardedStrategy):  # type: ignore[m
             before_commit=files.before_commit if files is not None else None,
             after_commit=files.after_commit if files is not None else None,
         )
-        config = self.io_config if self.io_config is not None else IOConfig.from_env()  # the writer's, likewise
+        # The planner names the data files: over the key prefixes of the writer's own settings.
         planner = self.last_planner = MegatronLayoutPlanner(enable_plan_caching=self.enable_plan_caching,
-                                                            key_prefixes=config.key_prefixes)
+                                                            key_prefixes=writer.config.key_prefixes)
         metadata: Metadata = run_save(state, writer, planner, None)
         return metadata
 

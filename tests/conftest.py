@@ -67,27 +67,28 @@ def make_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     return lambda kind: backend_for(kind, request, tmp_path)
 
 
-#: Seconds each test file took (its tests' durations, on 2 busy cores
-#: with both workers running, 2026-11-28); files not listed count as
-#: :data:`_UNLISTED_SECONDS`. Longest first is the order the two workers get
+#: Seconds each test file took (its tests' durations, on 2 cores with three
+#: workers running, 2026-11-29); files not listed count as
+#: :data:`_UNLISTED_SECONDS`. Longest first is the order the workers get
 #: files in (``--dist loadfile``: each file on one worker; a worker is sent its
 #: next file when it has two tests left), so that the last files handed out
 #: are short ones, instead of one worker finishing a 2-minute file while the
-#: other idles. Re-measure with ``--durations=0`` when a file's time changes
+#: others idle. Re-measure with ``--durations=0`` when a file's time changes
 #: a lot.
 _FILE_SECONDS = {
-    "test_tutorials.py": 150, "test_tiers.py": 110, "test_cluster.py": 90, "test_liveness.py": 55,
-    "test_torture.py": 50, "test_cluster_tiers.py": 35, "test_accelerate_recipe.py": 32, "test_integrations_megatron.py": 27,
-    "test_overwrite.py": 20, "test_demo_and_readme.py": 35, "test_deletion_rule.py": 35,
-    "test_checkpoint_api.py": 20, "test_hf_export.py": 25, "test_fuzz_inputs.py": 25, "test_resources.py": 25,
-    "test_s3_faults_and_errors.py": 25, "test_multirank.py": 22, "test_s3_request_rate.py": 20,
-    "test_smp_parity.py": 20, "test_plan_caching.py": 20, "test_async_staging.py": 19, "test_cluster_fixture.py": 19,
-    "test_integrations_lightning.py": 18, "test_reshard.py": 16, "test_scale.py": 15, "test_read_once.py": 15,
-    "test_s3_timeouts.py": 14, "test_adapter_deletion.py": 13, "test_incremental.py": 12, "test_s3_servers.py": 11,
-    "test_damage_and_hostile.py": 11, "test_tier_names.py": 10, "test_save_lock.py": 10, "test_store_contract.py": 9,
-    "test_integrations_torchtitan.py": 9, "test_cli.py": 8, "test_codecs_and_integrity.py": 8,
-    "test_integrations_accelerate.py": 7, "test_store_gcs.py": 22, "test_store_azure.py": 20,
-    "test_integrations_torch_checkpointing.py": 16, "test_lightning_s3_resume.py": 12, "test_rank_state.py": 10, "test_roundtrip.py": 6, "test_hostile_inputs.py": 6,
+    "test_tutorials.py": 205, "test_tiers.py": 106, "test_cluster.py": 94, "test_integrations_megatron.py": 78,
+    "test_accelerate_recipe.py": 70, "test_demo_and_readme.py": 62, "test_liveness.py": 55,
+    "test_cluster_tiers.py": 55, "test_resources.py": 55, "test_async_staging.py": 41, "test_fuzz_inputs.py": 40,
+    "test_checkpoint_api.py": 39, "test_hf_export.py": 39, "test_integrations_lightning.py": 36,
+    "test_torture.py": 35, "test_s3_request_rate.py": 34, "test_store_gcs.py": 34, "test_plan_caching.py": 33,
+    "test_deletion_rule.py": 33, "test_integrations_torch_checkpointing.py": 30, "test_lightning_s3_resume.py": 28,
+    "test_store_contract.py": 27, "test_s3_servers.py": 26, "test_cluster_fixture.py": 25,
+    "test_adapter_deletion.py": 23, "test_damage_and_hostile.py": 19, "test_scale.py": 18, "test_reshard.py": 18,
+    "test_store_azure.py": 17, "test_s3_faults_and_errors.py": 17, "test_smp_parity.py": 17,
+    "test_incremental.py": 16, "test_s3_timeouts.py": 16, "test_save_lock.py": 15, "test_multirank.py": 15,
+    "test_read_once.py": 14, "test_integrations_torchtitan.py": 13, "test_hostile_inputs.py": 11, "test_cli.py": 11,
+    "test_codecs_and_integrity.py": 11, "test_architecture.py": 10, "test_bench_gpu.py": 8, "test_roundtrip.py": 7,
+    "test_overwrite.py": 7, "test_tier_names.py": 6, "test_integrations_accelerate.py": 5,
 }
 _UNLISTED_SECONDS = 4.0
 

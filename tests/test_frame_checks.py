@@ -129,3 +129,36 @@ def test_damaged_frame_fails_a_load(tmp_path: Path, compression: str | None) -> 
         out = zeros_like_state(state)
         dcp_ext.load(out, url, verify_checksums=False)
         assert not torch.equal(out["w"], tensor)
+
+
+def test_an_item_built_while_its_file_is_attached_keeps_the_frame_tables(tmp_path: Path) -> None:
+    """A read-once load looks items up from two threads: the reading thread
+    (which attaches frame indexes) and the exchanging one (items received).
+    An item built from the columns while the other thread attached its file's
+    frame index must not replace the attached version: it would stay
+    un-attached for the rest of the load ("the frame index of this file was
+    not read before its frames", seen once in a 3-rank read-once reshard).
+    The interleaving is forced here: the other thread's attach runs inside
+    the build."""
+    url, _ = _saved(tmp_path, None)
+    store = open_store(str(url), IOConfig(), {})
+    decoded = decode_metadata(store.read_file(METADATA_FILE), "metadata")
+    locations = decoded.metadata.storage_data
+    assert isinstance(locations, ChunkLocations)
+    index = next(i for i in locations.keys() if i.fqn == "w")
+    build = locations._item
+    attached = []
+
+    def build_while_the_other_thread_attaches(fqn: str, row: list[int]) -> Any:
+        item = build(fqn, row)
+        if not attached:  # the other thread, once (its attach builds items too)
+            attached.append(True)
+            attach_frame_indexes(locations, list(decoded.frame_indexes), decoded.frame_indexes,
+                                 lambda n, r: store.read_range(n, r.at, r.length), store.describe)
+        return item
+
+    locations._item = build_while_the_other_thread_attaches  # type: ignore[method-assign]
+    assert locations[index].indexed is False  # the attached version, with its frame table
+    del locations._item
+    assert locations[index].indexed is False and locations.attached_files
+    frame_table(locations[index], "w's file")  # raises on an item left un-attached

@@ -277,10 +277,16 @@ class ChunkLocations(Mapping[MetadataIndex, StoredItem]):
         return found
 
     def item_at(self, fqn: str, row: int) -> StoredItem:
-        """The item of one row (with frame tables, if attached)."""
+        """The item of one row (with frame tables, if attached).
+
+        Safe from two threads (a read-once load looks items up from its
+        reading thread and its exchanging thread): an item built from the
+        columns while :meth:`attach` stored this row's attached version never
+        replaces it (``setdefault`` is one atomic step).
+        """
         item = self._built.get((fqn, row))
         if item is None:
-            item = self._built[(fqn, row)] = self._item(fqn, self._keys[fqn][2][:, row].tolist())
+            item = self._built.setdefault((fqn, row), self._item(fqn, self._keys[fqn][2][:, row].tolist()))
         return item
 
     def attach(self, attached: Sequence[tuple[tuple[str, int], StoredItem]], name: str) -> None:

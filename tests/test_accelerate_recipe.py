@@ -47,8 +47,8 @@ def test_the_guides_accelerate_recipe_resumes_bit_exact(tmp_path: Path) -> None:
     script.write_text(_recipe())
     _torchrun(script, tmp_path / "straight", 8, tmp_path)
     # The first 4 steps of the straight run are those of a run of 4 (same seeds, same saves), so its
-    # checkpoint-2 and checkpoint-4 stand for that run's folders: one torchrun fewer (3 ranks' worth
-    # of imports, about a third of the test's CPU). The second run of the script resumes from them.
+    # checkpoint-2 and checkpoint-4 stand for that run's folders: one torchrun fewer (a launcher and 2
+    # ranks' imports, about a third of the test's CPU). The second run of the script resumes from them.
     (tmp_path / "resumed").mkdir()
     for n in (2, 4):
         shutil.copytree(tmp_path / "straight" / f"checkpoint-{n}", tmp_path / "resumed" / f"checkpoint-{n}")

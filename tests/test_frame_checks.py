@@ -36,13 +36,22 @@ def _saved(tmp_path: Path, compression: str | None) -> tuple[Path, torch.Tensor]
     return url, tensor
 
 
-def _item(url: Path) -> tuple[Any, Any, Any]:
+def _decoded(url: Path) -> tuple[Any, Any, Any]:
+    """The store, the decoded metadata and its items (frame indexes not attached)."""
     store = open_store(str(url), IOConfig(), {})
     decoded = decode_metadata(store.read_file(METADATA_FILE), "metadata")
-    locations = decoded.metadata.storage_data
+    return store, decoded, decoded.metadata.storage_data
+
+
+def _attach_all(store: Any, decoded: Any, locations: ChunkLocations) -> None:
+    attach_frame_indexes(locations, list(decoded.frame_indexes), decoded.frame_indexes,
+                         lambda n, r: store.read_range(n, r.at, r.length), store.describe)
+
+
+def _item(url: Path) -> tuple[Any, Any, Any]:
+    store, decoded, locations = _decoded(url)
     if isinstance(locations, ChunkLocations):
-        attach_frame_indexes(locations, list(decoded.frame_indexes), decoded.frame_indexes,
-                             lambda n, r: store.read_range(n, r.at, r.length), store.describe)
+        _attach_all(store, decoded, locations)
     index, item = next((i, it) for i, it in locations.items() if i.fqn == "w")
     return store, index, item
 
@@ -141,9 +150,7 @@ def test_an_item_built_while_its_file_is_attached_keeps_the_frame_tables(tmp_pat
     The interleaving is forced here: the other thread's attach runs inside
     the build."""
     url, _ = _saved(tmp_path, None)
-    store = open_store(str(url), IOConfig(), {})
-    decoded = decode_metadata(store.read_file(METADATA_FILE), "metadata")
-    locations = decoded.metadata.storage_data
+    store, decoded, locations = _decoded(url)
     assert isinstance(locations, ChunkLocations)
     index = next(i for i in locations.keys() if i.fqn == "w")
     build = locations._item
@@ -153,8 +160,7 @@ def test_an_item_built_while_its_file_is_attached_keeps_the_frame_tables(tmp_pat
         item = build(fqn, row)
         if not attached:  # the other thread, once (its attach builds items too)
             attached.append(True)
-            attach_frame_indexes(locations, list(decoded.frame_indexes), decoded.frame_indexes,
-                                 lambda n, r: store.read_range(n, r.at, r.length), store.describe)
+            _attach_all(store, decoded, locations)
         return item
 
     locations._item = build_while_the_other_thread_attaches  # type: ignore[method-assign]
